@@ -1,0 +1,152 @@
+"""What a refit run leaves behind: its result, a stage table and a summary (Prefect artifacts)."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import asdict, dataclass, field
+
+from storage.errors import RefitError
+from tasks.receiver import Receiver
+
+log = logging.getLogger("canonical_refit.report")
+
+READY, FAILED, POISONED, SKIPPED = "READY", "FAILED", "POISONED", "SKIPPED"
+_PROGRESS_SPANS = {"seed": (0, 10), "fetch": (10, 50), "verify full": (50, 55), "apply": (55, 90), "verify": (90, 99)}
+
+
+def artifact_key(kind: str, model: str) -> str:
+    """Stable artifact key per model (lowercase letters, digits and dashes only)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")
+    return f"refit-{kind}-{slug}"[:100]
+
+
+@dataclass
+class RefitResult:
+    """The outcome of one run, as the CLI prints it with ``--json``."""
+
+    status: str
+    version: str | None
+    target_digest: str | None
+    format_digest: str | None
+    checkpoint_path: str | None
+    stages: list[dict] = field(default_factory=list)
+    error: str | None = None
+    error_detail: dict | None = None
+    lineage: list[str] = field(default_factory=list)
+    activated: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def build_result(rx: Receiver, status: str, error: BaseException | None = None, *, activated=False) -> RefitResult:
+    """Result of the run from the store's own records.
+
+    On success it names the installed identity (or the prepared one when
+    activation was deferred); on failure, what is still installed.
+    """
+    active, current = rx.store.active(), rx.store.current()
+    if status == READY and not activated and current is not None:
+        identity = (current.version, current.target_digest, current.format_digest)
+    elif active is not None:
+        identity = (active.version, active.digest, active.format_digest)
+    else:
+        identity = (None, None, None)
+    return RefitResult(
+        status=status, version=identity[0], target_digest=identity[1], format_digest=identity[2],
+        checkpoint_path=str(rx.store.absolute(current.path)) if current is not None else None,
+        stages=[{"name": r.name, "seconds": round(r.seconds, 3), "bytes": r.bytes, "attempts": r.attempts,
+                 "requests": r.requests, "retries": r.retries, "backoff_s": round(r.backoff_s, 2),
+                 "status": r.status} for r in rx.ledger.stages.values()],
+        error=str(error) if error is not None else None,
+        error_detail=error.to_dict() if isinstance(error, RefitError) else (
+            {"type": type(error).__name__, "message": str(error)} if error is not None else None),
+        lineage=list(rx.ledger.lineage), activated=activated, notes=list(rx.ledger.notes),
+    )
+
+
+def summary_markdown(rx: Receiver, result: RefitResult) -> str:
+    """The run's markdown summary: catalog, lineage, installed identity, or what failed and how to recover."""
+    params = rx.params
+    lines = [f"# Refit of `{params.model}`: {result.status}", "",
+             f"- catalog: `{rx.catalog.url}`", f"- target: `{params.target}`",
+             f"- lineage replayed: {' -> '.join(f'`{v}`' for v in result.lineage) or 'none'}",
+             f"- store: `{rx.store.root}`"]
+    active = rx.store.active()
+    if active is not None:
+        lines += [f"- installed: `{active.version}` `{active.digest}` via `{active.installer}`"]
+    if result.error_detail:
+        d = result.error_detail
+        failed_stage = next((s["name"] for s in result.stages if s["status"] == "failed"), "?")
+        lines += ["", "## Failure", "",
+                  f"- stage: **{failed_stage}**", f"- error: `{d.get('type')}`: {d.get('message')}",
+                  f"- revision: `{d.get('revision')}`", f"- file: `{d.get('file')}`",
+                  f"- tensor: `{d.get('tensor')}`", f"- field: `{d.get('field')}`"]
+        if result.status == POISONED:
+            lines += ["", "**The receiver is poisoned**: the engine may hold partially written weights. "
+                      "Installs are refused until `python -m flows.refit recover --catalog ... --model ...` "
+                      "re-installs a verified checkpoint."]
+        else:
+            lines += ["", "The installed version and the last verified checkpoint are unchanged; "
+                      "fix or republish the revision and run the refit again."]
+    if result.notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in result.notes]
+    lines += ["", "## Stages", "", "| stage | status | seconds | bytes | MB/s | attempts | retries | backoff s |",
+              "|---|---|---|---|---|---|---|---|"]
+    for record in rx.ledger.stages.values():
+        r = record.row()
+        lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {r['bytes']:,} | {r['MB/s']} | "
+                     f"{r['attempts']} | {r['retries']} | {r['backoff_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def stage_table(rx: Receiver) -> str:
+    """Plain-text stage table for the CLI."""
+    rows = [r.row() for r in rx.ledger.stages.values()]
+    head = f"{'stage':<16}{'status':<8}{'seconds':>9}{'bytes':>15}{'MB/s':>9}{'requests':>9}{'retries':>8}"
+    body = [f"{r['stage']:<16}{r['status']:<8}{r['seconds']:>9.3f}{r['bytes']:>15,}{r['MB/s']:>9.1f}"
+            f"{r['requests']:>9}{r['retries']:>8}" for r in rows]
+    return "\n".join([head, *body])
+
+
+class PrefectReporter:
+    """Keyed Prefect artifacts of a run: progress while it runs, table and summary at the end."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._progress_id = None
+        try:
+            from prefect.artifacts import create_progress_artifact
+
+            self._progress_id = create_progress_artifact(
+                progress=0.0, key=artifact_key("progress", model), description=f"refit of {model}")
+        except Exception as exc:  # artifacts are best effort: never fail a refit over them
+            log.debug("no progress artifact: %s", exc)
+
+    def progress(self, label: str, done: int, total: int) -> None:
+        if self._progress_id is None:
+            return
+        low, high = _PROGRESS_SPANS.get(label.split(" ")[0] if label not in _PROGRESS_SPANS else label, (0, 99))
+        share = done / total if total else 1.0
+        try:
+            from prefect.artifacts import update_progress_artifact
+
+            update_progress_artifact(self._progress_id, progress=low + (high - low) * min(1.0, share))
+        except Exception as exc:
+            log.debug("progress artifact update failed: %s", exc)
+
+    def publish(self, rx: Receiver, result: RefitResult) -> None:
+        try:
+            from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
+
+            create_table_artifact(key=artifact_key("stages", self.model),
+                                  table=[r.row() for r in rx.ledger.stages.values()],
+                                  description=f"refit of {self.model}: {result.status}")
+            create_markdown_artifact(key=artifact_key("summary", self.model), markdown=summary_markdown(rx, result),
+                                     description=f"refit of {self.model}: {result.status}")
+            if self._progress_id is not None:
+                update_progress_artifact(self._progress_id, progress=100.0)
+        except Exception as exc:
+            log.warning("could not publish the run's artifacts: %s", exc)

@@ -1,0 +1,111 @@
+"""Synthetic transformer-shaped bf16 checkpoints for the demo, the tests and the benchmarks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from storage.checkpoint import INDEX_FILE
+from storage.safetensors import write_safetensors
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's tensor shapes."""
+
+    vocab: int = 4096
+    hidden: int = 256
+    intermediate: int = 688
+    layers: int = 4
+    shards: int = 2
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        h, i = self.hidden, self.intermediate
+        out = [("model.embed_tokens.weight", (self.vocab, h))]
+        for n in range(self.layers):
+            p = f"model.layers.{n}."
+            out += [
+                (p + "input_layernorm.weight", (h,)),
+                (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (h, h)),
+                (p + "self_attn.v_proj.weight", (h, h)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "post_attention_layernorm.weight", (h,)),
+                (p + "mlp.gate_proj.weight", (i, h)),
+                (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i)),
+            ]
+        out += [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(np.prod(s)) * 2 for _, s in self.tensors())
+
+
+def to_bf16(values: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), rounding to nearest even."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def write_checkpoint(folder: Path, tensors: dict[str, np.ndarray], shards: int = 2,
+                     config: dict | None = None) -> Path:
+    """Write ``{name: bf16 uint16 array}`` as HF-style shards with an index and a config.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    groups = [names[k::shards] for k in range(shards)] if shards > 1 else [names]
+    weight_map = {}
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
+        with open(folder / file, "wb") as fh:
+            write_safetensors(fh, [(n, "BF16", tensors[n].shape, tensors[n]) for n in sorted(group)],
+                              {"format": "pt"})
+        weight_map.update({n: file for n in group})
+    if len(groups) > 1:
+        total = sum(a.nbytes for a in tensors.values())
+        (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total},
+                                                     "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (folder / "config.json").write_text(json.dumps(config or {"model_type": "llama"}, indent=2))
+    return folder
+
+
+def random_model(shape: ModelShape, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, dims in shape.tensors():
+        if name.endswith("norm.weight"):
+            values = np.ones(dims, dtype=np.float32)
+        else:
+            values = rng.standard_normal(dims, dtype=np.float32) * (1.0 / np.sqrt(dims[-1]))
+        out[name] = to_bf16(values)
+    return out
+
+
+def train_step(tensors: dict[str, np.ndarray], seed: int, *, fraction: float = 1.0, lr: float = 1e-2,
+               skip: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """An optimizer-step-like perturbation: ``fraction`` of elements move by a relative ``lr``.
+
+    Tensors whose name contains one of ``skip`` stay unchanged (frozen parameters).
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, bits in tensors.items():
+        if any(s in name for s in skip):
+            out[name] = bits.copy()
+            continue
+        values = from_bf16(bits)
+        step = rng.standard_normal(values.shape, dtype=np.float32) * lr * (np.abs(values) + 1e-3)
+        if fraction < 1.0:
+            step *= rng.random(values.shape, dtype=np.float32) < fraction
+        out[name] = to_bf16(values + step)
+    return out

@@ -1,0 +1,92 @@
+"""The immutable artifact cache: downloaded full checkpoints and delta buckets.
+
+Each artifact folder (``full/{v}/`` or ``deltas/{v}/``) has a sibling
+``{v}.source.json`` naming its source identity (the index URI and the SHA-256
+of the index bytes) and the identity (size, mtime) of every file that was
+completely downloaded and size-checked. A folder whose source differs is
+wiped before reuse; a file whose identity changed is downloaded again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+from storage.durable import atomic_write_bytes, atomic_write_json, file_identity, read_json_file, remove_tree
+from storage.local_store import LocalStore
+
+FULL, DELTA = "full", "deltas"
+DELTA_INDEX_NAME = "index.json"
+FULL_INDEX_NAME = "model.safetensors.index.json"
+
+
+class ArtifactCache:
+    """Source-checked artifact folders of one local store."""
+
+    def __init__(self, store: LocalStore):
+        self.store = store
+        self._lock = threading.Lock()
+
+    def folder(self, kind: str, version: str) -> Path:
+        return self.store.root / kind / version
+
+    def _source_path(self, kind: str, version: str) -> Path:
+        return self.store.root / kind / f"{version}.source.json"
+
+    def source(self, kind: str, version: str) -> dict | None:
+        raw = read_json_file(self._source_path(kind, version))
+        return raw if isinstance(raw, dict) else None
+
+    def open(self, kind: str, version: str, uri: str, index: bytes | None) -> Path:
+        """The folder for ``version`` from ``uri``; anything cached from another source is wiped.
+
+        ``index`` (the manifest bytes) is part of the source identity and is
+        stored in the folder under its standard name.
+        """
+        index_sha = hashlib.sha256(index).hexdigest() if index is not None else None
+        folder = self.folder(kind, version)
+        with self._lock:
+            source = self.source(kind, version)
+            if source is None or source.get("uri") != uri or source.get("index_sha256") != index_sha:
+                remove_tree(folder)
+                self._source_path(kind, version).unlink(missing_ok=True)
+                source = {"uri": uri, "index_sha256": index_sha, "files": {}}
+                atomic_write_json(self._source_path(kind, version), source)
+            folder.mkdir(parents=True, exist_ok=True)
+            if index is not None:
+                name = FULL_INDEX_NAME if kind == FULL else DELTA_INDEX_NAME
+                path = folder / name
+                if not path.exists() or path.read_bytes() != index:
+                    atomic_write_bytes(path, index)
+        return folder
+
+    def complete(self, kind: str, version: str, name: str) -> bool:
+        """True if ``name`` was fully downloaded and has not changed since."""
+        source = self.source(kind, version) or {}
+        recorded = (source.get("files") or {}).get(name)
+        path = self.folder(kind, version) / name
+        try:
+            return recorded is not None and file_identity(path) == recorded
+        except FileNotFoundError:
+            return False
+
+    def record(self, kind: str, version: str, name: str) -> None:
+        """Note that ``name`` is complete (after its size and header were checked)."""
+        with self._lock:
+            source = self.source(kind, version) or {}
+            files = dict(source.get("files") or {})
+            files[name] = file_identity(self.folder(kind, version) / name)
+            atomic_write_json(self._source_path(kind, version), source | {"files": files})
+
+    def record_seed(self, version: str, seed_path: Path) -> None:
+        """Source identity of a launch snapshot copied into ``full/{version}``."""
+        folder = self.folder(FULL, version)
+        files = {p.name: file_identity(p) for p in sorted(folder.iterdir()) if p.is_file()}
+        atomic_write_json(self._source_path(FULL, version),
+                          {"uri": f"seed:{Path(seed_path).resolve()}", "index_sha256": None, "files": files})
+
+    def discard(self, kind: str, version: str) -> None:
+        with self._lock:
+            remove_tree(self.folder(kind, version))
+            self._source_path(kind, version).unlink(missing_ok=True)

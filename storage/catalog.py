@@ -1,0 +1,288 @@
+"""The revision catalog: one immutable JSON record per revision (SPEC section 4)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from storage.digests import CHECKSUM_FORMATS, DIGEST_PATTERN, canonical_json
+from storage.durable import atomic_write_json, read_json_file
+from storage.errors import CatalogError, InvalidURI, LineageError, ObjectNotFound
+from storage.objects import ObjectStore, join_url, normalize_url
+from storage.settings import VERSION_PATTERN
+
+log = logging.getLogger("canonical_refit.catalog")
+
+SCHEMA = "canonical-refit.revision.v1"
+PAYLOAD_FORMATS = ("metadata_only", "full_hf_checkpoint", "xor_delta")
+MAX_RECORD_BYTES = 1 * 2**20
+MAX_CHAIN = 100_000
+_VERSION_RE = re.compile(VERSION_PATTERN)
+
+
+class Revision(BaseModel):
+    """One catalog record. Construction enforces every rule of SPEC section 4."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, populate_by_name=True)
+
+    schema_: Literal["canonical-refit.revision.v1"] = Field(alias="schema")
+    model: str = Field(min_length=1)
+    version: str = Field(pattern=VERSION_PATTERN)
+    sequence: int = Field(ge=0)
+    payload_format: Literal["metadata_only", "full_hf_checkpoint", "xor_delta"]
+    base_version: str | None = Field(pattern=VERSION_PATTERN)
+    base_digest: str | None
+    target_digest: str
+    format_digest: str
+    checksum_format: Literal["adler32", "xxh3-128", "blake3"]
+    uri: str | None
+    created_at_unix_ms: int = Field(ge=0)
+
+    @field_validator("target_digest", "format_digest", "base_digest")
+    @classmethod
+    def _digest_form(cls, value: str | None) -> str | None:
+        if value is not None and not DIGEST_PATTERN.match(value):
+            raise ValueError("must be 'sha256:' followed by 64 lowercase hex digits")
+        return value
+
+    @field_validator("uri")
+    @classmethod
+    def _uri_form(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                normalize_url(value)
+            except InvalidURI as exc:
+                raise ValueError(exc.reason) from None
+        return value
+
+    @model_validator(mode="after")
+    def _payload_rules(self) -> "Revision":
+        delta = self.payload_format == "xor_delta"
+        if delta:
+            for name in ("base_version", "base_digest", "uri"):
+                if getattr(self, name) is None:
+                    raise _FieldRule(name, f"is required for payload_format {self.payload_format!r}")
+            if self.base_version == self.version:
+                raise _FieldRule("base_version", "equals the revision's own version")
+            if self.sequence == 0:
+                raise _FieldRule("sequence", "a delta cannot be sequence 0")
+        else:
+            for name in ("base_version", "base_digest"):
+                if getattr(self, name) is not None:
+                    raise _FieldRule(name, f"must be null for payload_format {self.payload_format!r}")
+        if self.payload_format == "metadata_only" and self.uri is not None:
+            raise _FieldRule("uri", "must be null for a metadata_only revision")
+        if self.payload_format == "full_hf_checkpoint" and self.uri is None:
+            raise _FieldRule("uri", "is required for a full_hf_checkpoint revision")
+        return self
+
+    def to_json(self) -> dict:
+        return self.model_dump(by_alias=True)
+
+    def describe(self) -> str:
+        base = f" on {self.base_version}" if self.base_version else ""
+        return f"{self.version} (seq {self.sequence}, {self.payload_format}{base})"
+
+
+class _FieldRule(ValueError):
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field} {message}")
+
+
+def parse_revision(raw: bytes | str | dict, *, version: str | None, model: str | None, file: str) -> Revision:
+    """Validate one record; errors name the revision, the file and the field."""
+    if not isinstance(raw, dict):
+        try:
+            raw = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CatalogError(f"record is not valid JSON ({exc})", revision=version, file=file) from None
+    if not isinstance(raw, dict):
+        raise CatalogError(f"record is a JSON {type(raw).__name__}, not an object", revision=version, file=file)
+    try:
+        record = Revision.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"]
+        ctx_error = (first.get("ctx") or {}).get("error")
+        if isinstance(ctx_error, _FieldRule):
+            field, message = ctx_error.field, str(ctx_error)
+        raise CatalogError(f"invalid record: {message}", revision=version or raw.get("version"),
+                           file=file, field=field) from None
+    if version is not None and record.version != version:
+        raise CatalogError(f"record says version {record.version!r} but is stored as {version}.json",
+                           revision=version, file=file, field="version")
+    if model is not None and record.model != model:
+        raise CatalogError(f"record belongs to model {record.model!r}, not {model!r}",
+                           revision=record.version, file=file, field="model")
+    return record
+
+
+class Catalog:
+    """Read and write the revision records of one model under one catalog URL."""
+
+    def __init__(self, store: ObjectStore, url: str, model: str, *, cache_dir: Path | None = None):
+        self.store = store
+        self.url = normalize_url(url)
+        self.model = model
+        self.cache_dir = cache_dir
+        self._records: dict[str, Revision] = {}
+
+    def record_url(self, version: str) -> str:
+        if not _VERSION_RE.match(version):
+            raise CatalogError("invalid version id", revision=version, field="version")
+        return join_url(self.url, f"{version}.json")
+
+    def read(self, version: str) -> Revision:
+        """One record (memoised: records are immutable)."""
+        if version in self._records:
+            return self._records[version]
+        url = self.record_url(version)
+        record = self._read_cached(version, url)
+        if record is None:
+            raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
+            record = parse_revision(raw, version=version, model=self.model, file=url)
+            self._write_cached(version, url, record)
+        self._records[version] = record
+        return record
+
+    def versions(self) -> list[str]:
+        """Version ids of every record in the catalog."""
+        names = self.store.list_names(self.url, ".json")
+        versions = []
+        for name in names:
+            stem = name[: -len(".json")]
+            if _VERSION_RE.match(stem):
+                versions.append(stem)
+            else:
+                log.warning("ignoring catalog object %s: not a valid version id", join_url(self.url, name))
+        return versions
+
+    def list(self) -> list[Revision]:
+        """Every record, sorted by sequence."""
+        versions = self.versions()
+        with ThreadPoolExecutor(max_workers=self.store.settings.concurrency) as pool:
+            records = list(pool.map(self.read, versions))
+        return sorted(records, key=lambda r: (r.sequence, r.version))
+
+    def latest(self) -> Revision:
+        """The record with the highest sequence."""
+        records = self.list()
+        if not records:
+            raise CatalogError("catalog holds no revisions", file=self.url)
+        top = records[-1]
+        tied = [r.version for r in records if r.sequence == top.sequence]
+        if len(tied) > 1:
+            raise CatalogError(f"'latest' is ambiguous: {tied} share sequence {top.sequence}",
+                               file=self.url, field="sequence")
+        return top
+
+    def initial(self, version: str | None = None) -> Revision:
+        """Revision 0: ``version`` if given, else the only record with sequence 0."""
+        if version is not None:
+            record = self.read(version)
+        else:
+            zeros = [r for r in self.list() if r.sequence == 0]
+            if len(zeros) != 1:
+                raise CatalogError(
+                    f"expected exactly one sequence-0 record, found {[r.version for r in zeros]}; "
+                    "name the launch revision explicitly",
+                    file=self.url, field="sequence",
+                )
+            record = zeros[0]
+        if record.payload_format != "metadata_only":
+            raise CatalogError("the launch revision must be metadata_only",
+                               revision=record.version, file=self.record_url(record.version), field="payload_format")
+        return record
+
+    def resolve(self, target: str) -> Revision:
+        return self.latest() if target == "latest" else self.read(target)
+
+    def lineage(self, target: Revision, local: Mapping[str, str]) -> list[Revision]:
+        """Revisions from a starting point to ``target`` (both included), oldest first.
+
+        Walks ``base_version`` back from ``target`` and stops at the first
+        revision that is available locally (``local`` maps version to its
+        verified digest), a full checkpoint, or the metadata-only launch
+        revision. Every link is checked: base digest, layout and sequence.
+        """
+        chain = [target]
+        seen = {target.version}
+        current = target
+        while True:
+            if current.version in local:
+                if local[current.version] != current.target_digest:
+                    raise LineageError(
+                        f"the local checkpoint of {current.version} has digest {local[current.version]} "
+                        f"but the catalog says {current.target_digest}: it is not this catalog's revision",
+                        revision=current.version, file=self.record_url(current.version), field="target_digest",
+                    )
+                break
+            if current.payload_format != "xor_delta":
+                break
+            current = self._exact_base(current, seen)
+            chain.append(current)
+            if len(chain) > MAX_CHAIN:
+                raise LineageError(f"replay chain longer than {MAX_CHAIN} revisions", revision=target.version)
+        return chain[::-1]
+
+    def _exact_base(self, delta: Revision, seen: set[str]) -> Revision:
+        url = self.record_url(delta.version)
+        try:
+            base = self.read(delta.base_version)
+        except ObjectNotFound:
+            raise LineageError(f"base revision {delta.base_version!r} is not in the catalog",
+                               revision=delta.version, file=url, field="base_version") from None
+        if base.version in seen:
+            raise LineageError("base_version links form a cycle", revision=delta.version, file=url,
+                               field="base_version")
+        seen.add(base.version)
+        if base.target_digest != delta.base_digest:
+            raise LineageError(
+                f"base_digest {delta.base_digest} is not the target_digest {base.target_digest} of {base.version}",
+                revision=delta.version, file=url, field="base_digest",
+            )
+        if base.format_digest != delta.format_digest:
+            raise LineageError(f"format_digest differs from base {base.version}: an XOR delta cannot change the layout",
+                               revision=delta.version, file=url, field="format_digest")
+        if base.sequence >= delta.sequence:
+            raise LineageError(f"sequence {delta.sequence} does not increase over base {base.version} ({base.sequence})",
+                               revision=delta.version, file=url, field="sequence")
+        if base.checksum_format != delta.checksum_format and base.payload_format == "xor_delta":
+            log.info("checksum format changes from %s to %s at %s", base.checksum_format,
+                     delta.checksum_format, delta.version)
+        return base
+
+    def write(self, record: Revision) -> bool:
+        """Publish ``record`` create-only; False if the identical record already existed."""
+        if record.model != self.model:
+            raise CatalogError(f"record belongs to model {record.model!r}, not {self.model!r}",
+                               revision=record.version, field="model")
+        written = self.store.put_immutable(self.record_url(record.version), canonical_json(record.to_json()))
+        self._records[record.version] = record
+        return written
+
+    # -- local memo of immutable records ------------------------------------------------------
+
+    def _read_cached(self, version: str, url: str) -> Revision | None:
+        if self.cache_dir is None:
+            return None
+        cached = read_json_file(self.cache_dir / f"{version}.json")
+        if not isinstance(cached, dict) or cached.get("url") != url or not isinstance(cached.get("record"), dict):
+            return None
+        try:
+            return parse_revision(cached.get("record"), version=version, model=self.model, file=url)
+        except CatalogError:
+            return None
+
+    def _write_cached(self, version: str, url: str, record: Revision) -> None:
+        if self.cache_dir is not None:
+            atomic_write_json(self.cache_dir / f"{version}.json", {"url": url, "record": record.to_json()},
+                              durable=False)

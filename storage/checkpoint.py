@@ -1,0 +1,205 @@
+"""A local Hugging Face safetensors checkpoint: where each tensor lives, and its digests."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from storage.digests import format_digest, new_checksum, snapshot_digest
+from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
+from storage.safetensors import SafetensorsHeader, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+HASH_BLOCK = 8 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """One tensor of a checkpoint: file name, absolute byte offset, size, dtype and shape."""
+
+    name: str
+    file: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def check_shard_name(name: object, *, revision: str | None = None, file: str | None = None,
+                     tensor: str | None = None) -> str:
+    """A weight-map file name must be a bare ``*.safetensors`` base name (SPEC section 5)."""
+    if (
+        not isinstance(name, str)
+        or name in ("", ".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name.startswith(".")
+        or not name.endswith(".safetensors")
+        or name == ".safetensors"
+    ):
+        raise ManifestError(f"unsafe shard file name {name!r}", revision=revision, file=file, tensor=tensor)
+    return name
+
+
+class CheckpointIndex:
+    """Tensor locations of a checkpoint folder (its index file, or every ``*.safetensors``)."""
+
+    def __init__(self, folder: Path, tensors: Mapping[str, TensorLocation], headers: Mapping[str, SafetensorsHeader]):
+        self.folder = Path(folder)
+        self.tensors = dict(tensors)
+        self.headers = dict(headers)
+
+    @classmethod
+    def open(cls, folder: Path, *, revision: str | None = None) -> "CheckpointIndex":
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise SafetensorsError("checkpoint folder does not exist", file=str(folder), revision=revision)
+        index_path = folder / INDEX_FILE
+        weight_map = None
+        if index_path.exists():
+            weight_map = _read_weight_map(index_path, revision)
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+        if not files:
+            raise SafetensorsError("no safetensors files in checkpoint", file=str(folder), revision=revision)
+        headers, tensors = {}, {}
+        for name in files:
+            path = folder / name
+            if not path.is_file():
+                raise SafetensorsError("shard named by the index is missing", file=str(path), revision=revision)
+            header = read_header(path, revision=revision)
+            headers[name] = header
+            for info in header.tensors.values():
+                if info.name in tensors:
+                    raise SafetensorsError(
+                        f"tensor appears in two shards ({tensors[info.name].file} and {name})",
+                        file=str(path), tensor=info.name, revision=revision,
+                    )
+                if weight_map is not None and weight_map.get(info.name) != name:
+                    raise SafetensorsError(
+                        f"tensor is in {name} but the index maps it to {weight_map.get(info.name)!r}",
+                        file=str(index_path), tensor=info.name, revision=revision,
+                    )
+                tensors[info.name] = TensorLocation(
+                    info.name, name, header.data_offset + info.start, info.nbytes, info.dtype, info.shape
+                )
+        if weight_map is not None:
+            for tensor, name in weight_map.items():
+                if tensor not in tensors:
+                    raise SafetensorsError(
+                        f"index maps the tensor to {name} but that shard does not hold it",
+                        file=str(index_path), tensor=tensor, revision=revision,
+                    )
+        return cls(folder, tensors, headers)
+
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """``{name: (dtype, shape, nbytes)}``, the part two checkpoints must share for a delta."""
+        return {t.name: (t.dtype, t.shape, t.nbytes) for t in self.tensors.values()}
+
+    def format_digest(self) -> str:
+        return format_digest((t.name, t.dtype, t.shape) for t in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def checksums(
+        self,
+        checksum_format: str,
+        *,
+        names: list[str] | None = None,
+        workers: int = 4,
+        progress: Callable[[int], None] | None = None,
+    ) -> dict[str, str]:
+        """Checksum of every tensor (or of ``names``), read through mmap in parallel, largest first."""
+        wanted = [self.tensors[n] for n in (names if names is not None else self.tensors)]
+        wanted.sort(key=lambda t: -t.nbytes)
+        maps = _FileMaps(self.folder, {t.file for t in wanted})
+        try:
+            def one(t: TensorLocation) -> tuple[str, str]:
+                h = new_checksum(checksum_format)
+                view = maps.view(t.file)
+                for start in range(t.offset, t.offset + t.nbytes, HASH_BLOCK):
+                    end = min(t.offset + t.nbytes, start + HASH_BLOCK)
+                    h.update(view[start:end])
+                    if progress:
+                        progress(end - start)
+                if t.nbytes == 0:
+                    h.update(b"")
+                return t.name, h.hexdigest()
+
+            with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+                return dict(pool.map(one, wanted))
+        finally:
+            maps.close()
+
+    def snapshot_digest(self, checksum_format: str, checksums: Mapping[str, str]) -> str:
+        return snapshot_digest(checksum_format, self.format_digest(), checksums)
+
+
+def require_same_layout(
+    expected: Mapping[str, tuple[str, tuple[int, ...], int]],
+    actual: Mapping[str, tuple[str, tuple[int, ...], int]],
+    *,
+    revision: str | None,
+    file: str | None,
+) -> None:
+    """Raise ``CheckpointMismatch`` naming the first tensor whose set, dtype, shape or size differ."""
+    for name in sorted(set(expected) | set(actual)):
+        if name not in actual:
+            raise CheckpointMismatch("tensor is missing", revision=revision, file=file, tensor=name)
+        if name not in expected:
+            raise CheckpointMismatch("tensor is not in the local checkpoint", revision=revision, file=file, tensor=name)
+        (edt, esh, enb), (adt, ash, anb) = expected[name], actual[name]
+        if edt != adt:
+            raise CheckpointMismatch(f"dtype {adt} differs from local {edt}", revision=revision, file=file, tensor=name)
+        if tuple(esh) != tuple(ash):
+            raise CheckpointMismatch(f"shape {list(ash)} differs from local {list(esh)}",
+                                     revision=revision, file=file, tensor=name)
+        if enb != anb:
+            raise CheckpointMismatch(f"byte size {anb} differs from local {enb}", revision=revision, file=file, tensor=name)
+
+
+def _read_weight_map(index_path: Path, revision: str | None) -> dict[str, str]:
+    label = str(index_path)
+    try:
+        raw = json.loads(index_path.read_bytes())
+    except ValueError as exc:
+        raise ManifestError(f"index is not valid JSON ({exc})", file=label, revision=revision) from None
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ManifestError("index has no weight_map object", file=label, revision=revision)
+    for tensor, name in weight_map.items():
+        check_shard_name(name, revision=revision, file=label, tensor=tensor)
+    return weight_map
+
+
+class _FileMaps:
+    """Read-only mmaps of a checkpoint's shards, opened once per file."""
+
+    def __init__(self, folder: Path, names):
+        self._maps: dict[str, mmap.mmap] = {}
+        self._views: dict[str, memoryview] = {}
+        for name in names:
+            with open(folder / name, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size == 0:
+                    continue
+                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[name] = m
+            self._views[name] = memoryview(m)
+
+    def view(self, name: str) -> memoryview:
+        return self._views[name]
+
+    def close(self) -> None:
+        for view in self._views.values():
+            view.release()
+        for m in self._maps.values():
+            m.close()

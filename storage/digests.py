@@ -1,0 +1,131 @@
+"""Canonical JSON, per-tensor checksums, format digests and snapshot digests (SPEC section 3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zlib
+from typing import Iterable, Mapping, Protocol
+
+from storage.errors import FormatError
+
+CHECKSUM_FORMATS = ("adler32", "xxh3-128", "blake3")
+CHECKSUM_HEX_LENGTH = {"adler32": 8, "xxh3-128": 32, "blake3": 64}
+DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def canonical_json(value) -> bytes:
+    """``json.dumps(value, sort_keys=True, separators=(",", ":"))`` as UTF-8."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class Checksum(Protocol):
+    """Incremental checksum: feed buffers in order, then read the hex digest."""
+
+    def update(self, data) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+class _Adler32:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 1
+
+    def update(self, data) -> None:
+        self.value = zlib.adler32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value & 0xFFFFFFFF:08x}"
+
+
+class _Xxh3:
+    __slots__ = ("h",)
+
+    def __init__(self) -> None:
+        import xxhash
+
+        self.h = xxhash.xxh3_128()
+
+    def update(self, data) -> None:
+        self.h.update(data)
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+class _Blake3:
+    __slots__ = ("h",)
+
+    def __init__(self) -> None:
+        import blake3
+
+        self.h = blake3.blake3()
+
+    def update(self, data) -> None:
+        self.h.update(data)
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+_FACTORIES = {"adler32": _Adler32, "xxh3-128": _Xxh3, "blake3": _Blake3}
+
+
+def check_checksum_format(name: object, **context) -> str:
+    """Return ``name`` if it is a supported checksum format, else raise naming it."""
+    if not isinstance(name, str) or name not in _FACTORIES:
+        raise FormatError(
+            f"unsupported checksum format {name!r} (supported: {', '.join(CHECKSUM_FORMATS)})",
+            **context,
+        )
+    return name
+
+
+def new_checksum(name: str, **context) -> Checksum:
+    """A fresh incremental checksum of the given format."""
+    return _FACTORIES[check_checksum_format(name, **context)]()
+
+
+def checksum_bytes(name: str, data) -> str:
+    """Checksum of one buffer."""
+    h = new_checksum(name)
+    h.update(data)
+    return h.hexdigest()
+
+
+def is_checksum(name: str, value: object) -> bool:
+    """True if ``value`` is a well-formed checksum of format ``name``."""
+    return (
+        isinstance(value, str)
+        and len(value) == CHECKSUM_HEX_LENGTH[name]
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
+def format_digest(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:
+    """Digest of the tensor layout: sorted ``{"name", "dtype", "shape"}`` of every tensor."""
+    entries = sorted(
+        ({"name": name, "dtype": dtype, "shape": [int(d) for d in shape]} for name, dtype, shape in tensors),
+        key=lambda e: e["name"],
+    )
+    return sha256_digest(canonical_json(entries))
+
+
+def snapshot_digest(checksum_format: str, format_digest_value: str, checksums: Mapping[str, str]) -> str:
+    """Digest of a checkpoint's content, built from its per-tensor checksums."""
+    check_checksum_format(checksum_format)
+    return sha256_digest(
+        canonical_json(
+            {
+                "checksum_format": checksum_format,
+                "format_digest": format_digest_value,
+                "tensors": dict(checksums),
+            }
+        )
+    )

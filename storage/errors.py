@@ -1,0 +1,191 @@
+"""One exception hierarchy for the whole pipeline.
+
+Every error carries the context a user needs to act on it: the revision, the
+file (an object URI or a local path) and the tensor concerned, where known.
+The message always names them, so a log line or a Prefect state message is
+enough to find the bad input.
+"""
+
+from __future__ import annotations
+
+
+class RefitError(Exception):
+    """Base of every error this project raises on purpose.
+
+    ``transient`` tells the retry layer whether trying again may succeed;
+    ``mutation_started`` tells it whether the local checkpoint may already
+    hold partially written bytes (a stage must then never be retried).
+    """
+
+    transient = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        revision: str | None = None,
+        file: str | None = None,
+        tensor: str | None = None,
+        field: str | None = None,
+        mutation_started: bool = False,
+    ) -> None:
+        self.reason = message
+        self.revision = revision
+        self.file = file
+        self.tensor = tensor
+        self.field = field
+        self.mutation_started = mutation_started
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        where = [
+            f"{label} {value!r}"
+            for label, value in (
+                ("revision", self.revision),
+                ("file", self.file),
+                ("tensor", self.tensor),
+                ("field", self.field),
+            )
+            if value is not None
+        ]
+        return f"{self.reason} ({', '.join(where)})" if where else self.reason
+
+    def with_context(self, **context: str | None) -> "RefitError":
+        """Fill in context fields that are still unknown; returns self."""
+        for key, value in context.items():
+            if value is not None and getattr(self, key, None) is None:
+                setattr(self, key, value)
+        self.args = (self._render(),)
+        return self
+
+    def __reduce__(self):  # keep context across pickling (Prefect results, subprocesses)
+        return (_rebuild, (type(self), self.reason, self.__dict__.copy()))
+
+    def to_dict(self) -> dict:
+        return {
+            "type": type(self).__name__,
+            "message": str(self),
+            "revision": self.revision,
+            "file": self.file,
+            "tensor": self.tensor,
+            "field": self.field,
+            "mutation_started": self.mutation_started,
+        }
+
+
+def _rebuild(cls, reason, state):
+    err = cls.__new__(cls)
+    Exception.__init__(err, reason)
+    err.__dict__.update(state)
+    err.args = (err._render(),)
+    return err
+
+
+# --- object storage -----------------------------------------------------------
+
+
+class StorageError(RefitError):
+    """A read or write against object storage failed."""
+
+
+class TransientStorageError(StorageError):
+    """Timeouts, throttling, 5xx, resets, short bodies: worth retrying."""
+
+    transient = True
+
+
+class PermanentStorageError(StorageError):
+    """Missing object, access denied, invalid request: retrying cannot help."""
+
+
+class ObjectNotFound(PermanentStorageError):
+    pass
+
+
+class AccessDenied(PermanentStorageError):
+    pass
+
+
+class InvalidURI(PermanentStorageError):
+    pass
+
+
+class ImmutableConflict(StorageError):
+    """A create-only write found different bytes already published."""
+
+
+class ConditionalWritesUnsupported(StorageError):
+    """The server silently overwrites objects instead of enforcing If-None-Match."""
+
+
+# --- bad input ----------------------------------------------------------------
+
+
+class FormatError(RefitError):
+    """Malformed or inconsistent input: a record, manifest, header or frame."""
+
+
+class CatalogError(FormatError):
+    """A catalog record breaks the rules of the revision schema."""
+
+
+class ManifestError(FormatError):
+    """An index manifest is malformed or does not match its catalog record."""
+
+
+class SafetensorsError(FormatError):
+    """A safetensors header is malformed or runs past its file."""
+
+
+class CodecError(FormatError):
+    """A delta frame or sparse record is malformed, truncated or oversized."""
+
+
+class ChecksumMismatch(FormatError):
+    """Bytes do not hash to the checksum or digest that was published."""
+
+
+class CheckpointMismatch(FormatError):
+    """Tensor set, dtype, shape or size differ from the local checkpoint."""
+
+
+class LineageError(FormatError):
+    """The replay chain is broken: wrong base, missing revision, cycle."""
+
+
+# --- local store --------------------------------------------------------------
+
+
+class StoreError(RefitError):
+    """The local checkpoint store cannot do what was asked."""
+
+
+class CapacityError(StoreError):
+    """The cache quota cannot make room without evicting protected data."""
+
+
+class StoreBusy(StoreError):
+    """Another process held the store's lock for longer than we may wait."""
+
+
+class TamperedCheckpoint(StoreError):
+    """Files of a recorded checkpoint changed outside the receiver."""
+
+
+# --- installation -------------------------------------------------------------
+
+
+class InstallError(RefitError):
+    """Installation failed before the engine's weights were touched."""
+
+
+class PoisonedError(InstallError):
+    """The engine may hold partially written weights; recovery is required."""
+
+    def __init__(self, message: str, **context) -> None:
+        context.setdefault("mutation_started", True)
+        super().__init__(message, **context)
+
+
+class ReceiverPoisoned(InstallError):
+    """Installs are refused until ``recover`` re-installs a verified checkpoint."""

@@ -1,0 +1,505 @@
+"""Object storage through fsspec: the one place that knows about protocols.
+
+``ObjectStore`` turns a URL (``s3://``, ``file://``, ``memory://``, any other
+fsspec protocol, or a plain local path) into a filesystem and a path, and
+offers the handful of operations the pipeline needs: bounded reads, streamed
+downloads into local files, create-only writes and listings. Every call is
+classified into transient errors (retried with bounded exponential backoff and
+counted in ``TransferStats``) and permanent ones (raised at once, URI in the
+message). Nothing outside this module branches on the protocol.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from storage.durable import fsync_dir
+from storage.errors import (
+    AccessDenied,
+    ConditionalWritesUnsupported,
+    ImmutableConflict,
+    InvalidURI,
+    ObjectNotFound,
+    PermanentStorageError,
+    RefitError,
+    StorageError,
+    StoreError,
+    TransientStorageError,
+)
+from storage.settings import ObjectStoreSettings
+
+log = logging.getLogger("canonical_refit.objects")
+T = TypeVar("T")
+
+_S3_SEGMENT = re.compile(r"^[^/?#]+$")
+_TRANSIENT_ERRNOS = {
+    errno.EBUSY, errno.EIO, errno.EREMOTEIO, errno.ECONNRESET, errno.ECONNABORTED,
+    errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN, errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
+}
+_TRANSIENT_S3_CODES = {
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+    "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
+}
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
+_DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "ExpiredToken", "SignatureDoesNotMatch", "403"}
+_TRANSIENT_EXCEPTION_NAMES = {
+    # botocore / aiohttp / asyncio names, matched by name so that neither is imported here
+    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
+    "HTTPClientError", "ProxyConnectionError", "ResponseStreamingError", "IncompleteReadError",
+    "ClientPayloadError", "ServerDisconnectedError", "ClientOSError", "ClientConnectionError",
+    "ClientConnectorError", "ServerTimeoutError", "ContentLengthError", "TransferEncodingError",
+    "FSTimeoutError", "ResponseParserError", "IncompleteRead",
+}
+_verified_conditional_prefixes: set[str] = set()
+_verified_lock = threading.Lock()
+
+
+@dataclass
+class TransferStats:
+    """Counts requests, retries and backoff of one stage (thread-safe)."""
+
+    attempts: int = 0
+    retries: int = 0
+    backoff_s: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, attempts=0, retries=0, backoff_s=0.0, bytes_read=0, bytes_written=0) -> None:
+        with self._lock:
+            self.attempts += attempts
+            self.retries += retries
+            self.backoff_s += backoff_s
+            self.bytes_read += bytes_read
+            self.bytes_written += bytes_written
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "attempts": self.attempts,
+                "retries": self.retries,
+                "backoff_s": round(self.backoff_s, 3),
+                "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written,
+            }
+
+
+def normalize_url(url: str) -> str:
+    """Return ``url`` with plain local paths turned into absolute ``file://`` URLs.
+
+    S3 URIs are validated strictly (SPEC section 6).
+    """
+    if not isinstance(url, str) or not url:
+        raise InvalidURI("empty object URL", file=repr(url))
+    if "://" not in url:
+        return "file://" + os.path.abspath(os.path.expanduser(url))
+    protocol, rest = url.split("://", 1)
+    if protocol in ("s3", "s3a"):
+        validate_s3_uri(url)
+    if protocol == "file":
+        return "file://" + os.path.abspath(rest or "/")
+    return url
+
+
+def validate_s3_uri(url: str) -> None:
+    """Reject anything but ``s3://bucket/key`` with non-empty segments and no query or fragment."""
+    if "?" in url or "#" in url:
+        raise InvalidURI("S3 URI must not carry a ?query or #fragment", file=url)
+    rest = url.split("://", 1)[1]
+    segments = rest.split("/")
+    if rest.endswith("/"):
+        segments = segments[:-1]
+    if not segments or not segments[0]:
+        raise InvalidURI("S3 URI has no bucket", file=url)
+    if any(not _S3_SEGMENT.match(segment) for segment in segments):
+        raise InvalidURI("S3 URI has an empty path segment ('//')", file=url)
+    if not 3 <= len(segments[0]) <= 63:
+        raise InvalidURI("S3 bucket names have 3 to 63 characters", file=url)
+
+
+def join_url(base: str, *names: str) -> str:
+    """``base`` + ``/name`` for each name (no normalisation of ``..``)."""
+    out = base.rstrip("/")
+    for name in names:
+        out += "/" + name.strip("/")
+    return out
+
+
+def parent_url(url: str) -> str:
+    """Everything before the last ``/`` of ``url``."""
+    head, sep, _ = url.rstrip("/").rpartition("/")
+    if not sep or head.endswith(":/"):
+        raise InvalidURI("URL has no parent folder", file=url)
+    return head
+
+
+def classify(exc: BaseException, uri: str) -> RefitError:
+    """Map an exception raised by fsspec/s3fs/botocore/aiohttp to our hierarchy."""
+    if isinstance(exc, RefitError):
+        return exc.with_context(file=uri)
+    name = type(exc).__name__
+    detail = f"{name}: {exc}"
+    code = _s3_error_code(exc)
+    if code in _NOT_FOUND_CODES or isinstance(exc, FileNotFoundError):
+        return ObjectNotFound(f"object not found ({detail})", file=uri)
+    if code in _DENIED_CODES or isinstance(exc, PermissionError):
+        return AccessDenied(f"access denied ({detail})", file=uri)
+    if code in _TRANSIENT_S3_CODES:
+        return TransientStorageError(f"transient storage error ({detail})", file=uri)
+    if isinstance(exc, (TimeoutError, ConnectionError)):
+        return TransientStorageError(f"transient storage error ({detail})", file=uri)
+    if name in _TRANSIENT_EXCEPTION_NAMES or any(
+        cls.__name__ in _TRANSIENT_EXCEPTION_NAMES for cls in type(exc).__mro__
+    ):
+        return TransientStorageError(f"transient storage error ({detail})", file=uri)
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return StoreError(f"no space left on the local disk ({detail})", file=uri)
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
+        return TransientStorageError(f"transient storage error ({detail})", file=uri)
+    if isinstance(exc, (ValueError, TypeError)) and "bucket" in str(exc).lower():
+        return InvalidURI(f"invalid object URL ({detail})", file=uri)
+    return PermanentStorageError(f"storage request failed ({detail})", file=uri)
+
+
+def _s3_error_code(exc: BaseException) -> str | None:
+    for candidate in (exc, exc.__cause__, exc.__context__):
+        response = getattr(candidate, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error") or {}
+            code = error.get("Code")
+            if code:
+                return str(code)
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status:
+                return str(status)
+    return None
+
+
+class ObjectStore:
+    """fsspec-backed object storage with retries, stats and create-only writes."""
+
+    def __init__(self, settings: ObjectStoreSettings | None = None, stats: TransferStats | None = None):
+        self.settings = settings or ObjectStoreSettings()
+        self.stats = stats or TransferStats()
+        self._filesystems: dict[str, fsspec.AbstractFileSystem] = {}
+        self._fs_lock = threading.Lock()
+
+    def with_stats(self, stats: TransferStats) -> "ObjectStore":
+        """A view of this store that shares its filesystems but counts into ``stats``."""
+        view = ObjectStore.__new__(ObjectStore)
+        view.settings, view.stats = self.settings, stats
+        view._filesystems, view._fs_lock = self._filesystems, self._fs_lock
+        return view
+
+    # -- resolution ------------------------------------------------------------
+
+    def locate(self, url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+        """Filesystem and path for ``url``; the only protocol switch in the project."""
+        url = normalize_url(url)
+        protocol = url.split("://", 1)[0]
+        with self._fs_lock:
+            fs = self._filesystems.get(protocol)
+            if fs is None:
+                fs = self._build_filesystem(protocol, url)
+                self._filesystems[protocol] = fs
+        return fs, fs._strip_protocol(url)
+
+    def _build_filesystem(self, protocol: str, url: str) -> fsspec.AbstractFileSystem:
+        if protocol in ("s3", "s3a"):
+            import s3fs
+
+            s = self.settings
+            config = {
+                "connect_timeout": s.connect_timeout_s,
+                "read_timeout": s.read_timeout_s,
+                "max_pool_connections": s.max_pool_connections,
+                # one attempt per layer below us: our loop owns retries and counts them
+                "retries": {"max_attempts": 1, "mode": "standard"},
+            }
+            if s.addressing_style != "auto":
+                config["s3"] = {"addressing_style": s.addressing_style}
+            fs = s3fs.S3FileSystem(
+                anon=s.anonymous,
+                endpoint_url=s.endpoint_url,
+                client_kwargs={"region_name": s.region} if s.region else {},
+                config_kwargs=config,
+                default_block_size=s.block_size,
+                max_concurrency=1,
+                use_listings_cache=False,
+                skip_instance_cache=True,
+            )
+            fs.retries = 1
+            fs.connect_timeout = s.connect_timeout_s
+            fs.read_timeout = s.read_timeout_s
+            return fs
+        try:
+            return fsspec.url_to_fs(url)[0]
+        except (ImportError, ValueError) as exc:
+            raise InvalidURI(f"unsupported object storage protocol {protocol!r} ({exc})", file=url) from exc
+
+    @staticmethod
+    def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+        return isinstance(fs, LocalFileSystem)
+
+    # -- retries -----------------------------------------------------------------
+
+    def call(self, what: str, url: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` with bounded exponential backoff on transient errors."""
+        s = self.settings
+        for attempt in range(1, s.retry_attempts + 1):
+            self.stats.add(attempts=1)
+            try:
+                return fn()
+            except Exception as exc:  # classified below; nothing is swallowed
+                err = classify(exc, url)
+                if not err.transient or attempt == s.retry_attempts:
+                    if err.transient:
+                        err = TransientStorageError(
+                            f"{what} failed after {attempt} attempts: {err.reason}", file=url
+                        )
+                    if err is exc:
+                        raise
+                    raise err from exc
+                delay = min(s.backoff_max_s, s.backoff_initial_s * 2 ** (attempt - 1))
+                delay *= 0.5 + random.random() / 2
+                self.stats.add(retries=1, backoff_s=delay)
+                log.warning("%s of %s failed (attempt %d/%d), retrying in %.2fs: %s",
+                            what, url, attempt, s.retry_attempts, delay, err.reason)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # -- reads ---------------------------------------------------------------------
+
+    def size(self, url: str) -> int:
+        fs, path = self.locate(url)
+        return int(self.call("stat", url, lambda: fs.size(path)))
+
+    def exists(self, url: str) -> bool:
+        fs, path = self.locate(url)
+        return bool(self.call("exists", url, lambda: fs.exists(path)))
+
+    def read_bytes(self, url: str, *, max_size: int) -> bytes:
+        """Whole object, refusing objects larger than ``max_size`` before reading them."""
+        fs, path = self.locate(url)
+
+        def read() -> bytes:
+            size = int(fs.size(path))
+            if size > max_size:
+                raise PermanentStorageError(f"object is {size} bytes, more than the {max_size} allowed", file=url)
+            data = fs.cat_file(path)
+            if len(data) != size:
+                raise TransientStorageError(f"short read: {len(data)} of {size} bytes", file=url)
+            return data
+
+        data = self.call("read", url, read)
+        self.stats.add(bytes_read=len(data))
+        return data
+
+    def read_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of an object; a short answer is a transient error."""
+        fs, path = self.locate(url)
+
+        def read() -> bytes:
+            data = fs.cat_file(path, start=start, end=end)
+            if len(data) != end - start:
+                raise TransientStorageError(f"short ranged read: {len(data)} of {end - start} bytes", file=url)
+            return data
+
+        data = self.call("ranged read", url, read)
+        self.stats.add(bytes_read=len(data))
+        return data
+
+    def download(self, url: str, dest: Path, *, expected_size: int | None = None,
+                 max_size: int | None = None) -> int:
+        """Stream an object into ``dest`` (via a temp file), checking its size; returns bytes.
+
+        ``expected_size`` (from an earlier ``size``) saves a HEAD request; a body
+        shorter than it is a transient error, so the download is retried.
+        """
+        fs, path = self.locate(url)
+        dest = Path(dest)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
+
+        def fetch() -> int:
+            expected = int(fs.size(path)) if expected_size is None else expected_size
+            if max_size is not None and expected > max_size:
+                raise PermanentStorageError(f"object is {expected} bytes, more than the {max_size} allowed", file=url)
+            try:
+                fs.get_file(path, str(tmp))
+                got = tmp.stat().st_size
+                if got != expected:
+                    raise TransientStorageError(f"download returned {got} bytes, the object has {expected}", file=url)
+                with open(tmp, "rb+") as fh:
+                    os.fsync(fh.fileno())
+                os.replace(tmp, dest)
+            finally:
+                tmp.unlink(missing_ok=True)
+            return expected
+
+        size = self.call("download", url, fetch)
+        fsync_dir(dest.parent)
+        self.stats.add(bytes_read=size)
+        return size
+
+    def list_names(self, url: str, suffix: str = "") -> list[str]:
+        """Base names of the objects directly under ``url`` that end with ``suffix``."""
+        fs, path = self.locate(url)
+
+        def listing() -> list[str]:
+            try:
+                entries = fs.ls(path, detail=True)
+            except FileNotFoundError:
+                return []
+            return [
+                e["name"].rstrip("/").rsplit("/", 1)[-1]
+                for e in entries
+                if e.get("type") != "directory"
+            ]
+
+        names = self.call("list", url, listing)
+        return sorted(n for n in names if n.endswith(suffix))
+
+    # -- create-only writes -----------------------------------------------------------
+
+    def put_immutable(self, url: str, data: bytes) -> bool:
+        """Create ``url`` with ``data``; True if written, False if identical bytes were there.
+
+        Different bytes already at ``url`` raise ``ImmutableConflict``.
+        """
+        fs, path = self.locate(url)
+        data = bytes(data)
+
+        def put() -> bool:
+            try:
+                if self.is_local(fs):
+                    _local_create(Path(path), lambda fh: fh.write(data))
+                else:
+                    fs.pipe_file(path, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+
+        created = self.call("create-only write", url, put)
+        if created:
+            self.stats.add(bytes_written=len(data))
+            return True
+        existing = self.read_bytes(url, max_size=len(data))
+        if existing != data:
+            raise ImmutableConflict("a different object is already published here", file=url)
+        return False
+
+    def put_immutable_file(self, url: str, local: Path) -> bool:
+        """Create ``url`` from a local file (streamed); same semantics as ``put_immutable``."""
+        fs, path = self.locate(url)
+        local = Path(local)
+        size = local.stat().st_size
+
+        def put() -> bool:
+            try:
+                if self.is_local(fs):
+                    _local_create(Path(path), lambda fh: _copy_into(local, fh))
+                else:
+                    fs.put_file(str(local), path, mode="create")
+                return True
+            except FileExistsError:
+                return False
+
+        if self.call("create-only upload", url, put):
+            self.stats.add(bytes_written=size)
+            return True
+        if self.size(url) != size or not self._same_content(url, local):
+            raise ImmutableConflict("a different object is already published here", file=url)
+        return False
+
+    def _same_content(self, url: str, local: Path, chunk: int = 64 * 2**20) -> bool:
+        size = local.stat().st_size
+        with open(local, "rb") as fh:
+            for start in range(0, size, chunk):
+                end = min(size, start + chunk)
+                if self.read_range(url, start, end) != fh.read(end - start):
+                    return False
+        return True
+
+    def ensure_conditional_writes(self, prefix_url: str, *, allow_unconditional: bool = False) -> None:
+        """Check once per bucket that create-only writes are enforced by the server.
+
+        Some S3-compatible servers ignore ``If-None-Match: *`` and overwrite
+        silently; publishing there could replace an immutable revision.
+        """
+        fs, path = self.locate(prefix_url)
+        if self.is_local(fs) or fs.protocol in ("memory",) or "memory" in fs.protocol:
+            return
+        key = f"{fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]}://{path.split('/', 1)[0]}"
+        with _verified_lock:
+            if key in _verified_conditional_prefixes:
+                return
+        probe = join_url(normalize_url(prefix_url), ".canonical-refit-probe", uuid.uuid4().hex)
+        probe_fs, probe_path = self.locate(probe)
+        self.put_immutable(probe, b"first")
+
+        def second() -> bool:
+            try:
+                probe_fs.pipe_file(probe_path, b"second", mode="create")
+                return True
+            except FileExistsError:
+                return False
+
+        overwritten = self.call("conditional-write probe", probe, second)
+        try:
+            probe_fs.rm_file(probe_path)
+        except Exception as exc:  # a leftover probe object is harmless
+            log.info("could not delete conditional-write probe %s: %s", probe, exc)
+        if overwritten:
+            message = (
+                "the object store does not enforce conditional writes (If-None-Match: *): "
+                "a second create-only PUT overwrote the probe object, so published revisions "
+                "would not be immutable"
+            )
+            if not allow_unconditional:
+                raise ConditionalWritesUnsupported(
+                    message + "; use a server that enforces them or pass --allow-unconditional-writes",
+                    file=probe,
+                )
+            log.warning("%s; continuing because unconditional writes were explicitly allowed", message)
+        with _verified_lock:
+            _verified_conditional_prefixes.add(key)
+
+
+def _local_create(path: Path, write: Callable) -> None:
+    """Exclusive, atomic, durable create of a local file (temp, fsync, link)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)  # fails with EEXIST instead of replacing
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def _copy_into(src: Path, dst_fh, chunk: int = 16 * 2**20) -> None:
+    with open(src, "rb") as fh:
+        while block := fh.read(chunk):
+            dst_fh.write(block)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for logs: the error's own message, or its type and text."""
+    return str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"

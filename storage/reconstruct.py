@@ -1,0 +1,263 @@
+"""Turn a verified base and cached delta artifacts into a verified target checkpoint.
+
+``materialize`` marks the store ``UPDATING``, takes over (rename) the base's
+materialized folder or copies an immutable full checkpoint once, and patches
+it in place. ``verify_target`` computes the snapshot digest from the base's
+verified checksums plus the checksums computed while patching, checks it
+against the catalog, and only then records the checkpoint and marks ``READY``.
+``restore_previous`` brings the last verified checkpoint back after a failure
+that happened once bytes had changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from storage.catalog import Revision, parse_revision
+from storage.checkpoint import CheckpointIndex, require_same_layout
+from storage.digests import snapshot_digest
+from storage.durable import copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
+from storage.errors import CatalogError, ChecksumMismatch, CheckpointMismatch, FormatError, RefitError
+from storage.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
+from storage.manifests import Manifest, parse_delta_manifest
+from storage.patcher import apply_patches, plan_patches
+
+log = logging.getLogger("canonical_refit.reconstruct")
+
+
+@dataclass(frozen=True)
+class Materialized:
+    """A patched (not yet verified) checkpoint folder and the checksums computed while patching."""
+
+    version: str
+    path: Path
+    base: VerifiedCheckpoint
+    patched: Mapping[str, str]
+    chain: Chain
+    copied_bytes: int = 0
+    patched_bytes: int = 0
+    mutated: bool = True
+
+
+def chain_after(store: LocalStore, base: VerifiedCheckpoint, versions: Sequence[str], target: str) -> Chain:
+    """How to rebuild ``target``: the base's own chain extended by ``versions``."""
+    if base.path.startswith("full/"):
+        return Chain(target, base.version, tuple(versions))
+    known = store.chain(base.version) or Chain(base.version, base.version, ())
+    return Chain(target, known.full_version, known.deltas + tuple(versions))
+
+
+def materialize(
+    store: LocalStore,
+    base: VerifiedCheckpoint,
+    target: Revision,
+    deltas: Sequence[Manifest],
+    folders: Mapping[str, Path],
+    *,
+    workers: int,
+    progress: Callable[[int], Callable[[int], None]] | None = None,
+    on_updating: Callable[[], None] | None = None,
+) -> Materialized:
+    """Apply ``deltas`` (oldest first) to ``base``, producing ``materialized/{target}``.
+
+    Everything is validated before the store goes ``UPDATING``. A sequential
+    delta takes the base's materialized folder over by rename; the first delta
+    after a full checkpoint copies it once. Errors raised after ``UPDATING``
+    carry ``mutation_started``; the caller restores with ``restore_previous``.
+    ``progress(total)`` returns a callback fed with the bytes patched.
+    """
+    base_path = store.absolute(base.path)
+    base_index = CheckpointIndex.open(base_path, revision=base.version)
+    plans = plan_patches(deltas, folders, base_index.tensors)
+    chain = chain_after(store, base, [m.version for m in deltas], target.version)
+    target_dir = store.materialized_dir(target.version)
+    state = store.state()
+    takeover = base.path.startswith("materialized/")
+    store.mark_updating(target.version, target_dir, state.version if state else None)
+    if on_updating:
+        on_updating()
+    try:
+        remove_tree(target_dir)
+        copied = 0
+        if takeover:
+            store.forget_verified(base.version)
+            os.rename(base_path, target_dir)
+            fsync_dir(target_dir.parent)
+        else:
+            staging = store.tmp_dir / f"materialize-{target.version}"
+            remove_tree(staging)
+            copied = copy_tree_files(base_path, staging, workers=workers)
+            staging.rename(target_dir)
+            fsync_dir(target_dir.parent)
+        index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
+        total = sum(p.location.nbytes * len(p.steps) for p in plans)
+        patched = apply_patches(index, plans, target_checksum_format=target.checksum_format,
+                                workers=workers, progress=progress(total) if progress else None)
+    except RefitError as exc:
+        exc.mutation_started = True
+        raise
+    except OSError as exc:
+        raise FormatError(f"local I/O failed while materializing: {exc}", revision=target.version,
+                          file=str(target_dir), mutation_started=True) from exc
+    return Materialized(target.version, target_dir, base, patched, chain, copied,
+                        sum(p.location.nbytes for p in plans))
+
+
+def verify_target(
+    store: LocalStore,
+    target: Revision,
+    path: Path,
+    *,
+    base: VerifiedCheckpoint | None,
+    patched: Mapping[str, str],
+    chain: Chain,
+    full: bool,
+    workers: int,
+    mutated: bool,
+    progress: Callable[[int], None] | None = None,
+) -> VerifiedCheckpoint:
+    """Check coverage, layout and the snapshot digest; then record the checkpoint and mark ``READY``.
+
+    Clean tensors keep the base's verified checksums (when the checksum format
+    is the same); only patched tensors were hashed, during the apply pass.
+    ``full`` rereads every tensor instead and cross-checks the patched ones.
+    """
+    context = {"revision": target.version, "file": str(path), "mutation_started": mutated}
+    index = CheckpointIndex.open(path, revision=target.version)
+    layout_digest = index.format_digest()
+    if layout_digest != target.format_digest:
+        raise CheckpointMismatch(f"checkpoint layout {layout_digest} differs from the catalog's "
+                                 f"{target.format_digest}", field="format_digest", **context)
+    fmt = target.checksum_format
+    checksums: dict[str, str] = {}
+    if base is not None and base.checksum_format == fmt and not full:
+        checksums.update({k: v for k, v in base.checksums.items() if k in index.tensors})
+    checksums.update(patched)
+    reread = sorted(index.tensors) if full else sorted(set(index.tensors) - set(checksums))
+    if reread:
+        fresh = index.checksums(fmt, names=reread, workers=workers, progress=progress)
+        for name, value in fresh.items():
+            if name in patched and patched[name] != value:
+                raise ChecksumMismatch(f"bytes on disk hash to {value}, the apply pass computed {patched[name]}",
+                                       tensor=name, **context)
+        checksums.update(fresh)
+    missing = sorted(set(index.tensors) - set(checksums))
+    if missing:
+        raise CheckpointMismatch("tensor has no verified checksum", tensor=missing[0], **context)
+    digest = snapshot_digest(fmt, layout_digest, checksums)
+    if digest != target.target_digest:
+        raise ChecksumMismatch(f"checkpoint digest {digest} differs from the catalog's target_digest "
+                               f"{target.target_digest}", field="target_digest", **context)
+    record = VerifiedCheckpoint(
+        version=target.version, path=store.relative(path), sequence=target.sequence, checksum_format=fmt,
+        format_digest=layout_digest, target_digest=digest, checksums=checksums,
+        files=folder_identity(path), verified_at_unix_ms=now_ms(),
+    )
+    store.record_verified(record)
+    store.write_chain(chain)
+    store.mark_ready(record)
+    return record
+
+
+def verify_full_artifact(
+    store: LocalStore,
+    manifest: Manifest,
+    folder: Path,
+    *,
+    reference: Mapping[str, tuple] | None,
+    workers: int,
+    progress: Callable[[int], None] | None = None,
+) -> VerifiedCheckpoint:
+    """Verify a downloaded full revision: layout, declared per-shard checksums, target digest.
+
+    Nothing existing changes: the artifact folder is new and immutable. A
+    declared ``checksum_format`` makes every shard's metadata checksum
+    mandatory and checked; without one, shard metadata is ignored.
+    """
+    revision = manifest.revision
+    index = CheckpointIndex.open(folder, revision=revision.version)
+    if reference is not None:
+        require_same_layout(reference, index.layout(), revision=revision.version, file=manifest.uri)
+    if index.format_digest() != revision.format_digest:
+        raise CheckpointMismatch(f"layout {index.format_digest()} differs from the catalog's "
+                                 f"{revision.format_digest}", revision=revision.version, file=manifest.uri,
+                                 field="format_digest")
+    declared = manifest.checksum_format
+    computed = index.checksums(declared or revision.checksum_format, workers=workers, progress=progress)
+    if declared:
+        for name, location in sorted(index.tensors.items()):
+            published = index.headers[location.file].metadata.get(name)
+            shard = manifest.file_url(location.file)
+            if published is None:
+                raise ChecksumMismatch(f"shard metadata has no {declared} checksum for the tensor",
+                                       revision=revision.version, file=shard, tensor=name)
+            if published != computed[name]:
+                raise ChecksumMismatch(f"tensor hashes to {computed[name]}, the shard says {published}",
+                                       revision=revision.version, file=shard, tensor=name)
+    return verify_target(store, revision, folder, base=None,
+                         patched=computed if declared in (None, revision.checksum_format) else {},
+                         chain=Chain(revision.version, revision.version, ()), full=False, workers=workers,
+                         mutated=False)
+
+
+def restore_previous(store: LocalStore, previous: str | None, *, workers: int) -> str:
+    """After a failure with bytes changed: get the last verified checkpoint back, offline if possible.
+
+    Discards the half-written folder (``recover``); if ``previous`` was taken
+    over by rename, rebuilds it from ``chains/{previous}.json`` and cached
+    artifacts. Returns what happened, in words.
+    """
+    store.recover()
+    current = store.current()
+    if previous is None or (current is not None and current.version == previous):
+        return f"store is READY at {current.version if current else 'no checkpoint'}"
+    try:
+        record = rebuild_offline(store, previous, workers=workers)
+    except RefitError as exc:
+        store.recover()
+        log.warning("could not rebuild %s from the cache: %s", previous, exc)
+        return f"could not rebuild {previous} from the cache ({exc}); the next run rebuilds it from the catalog"
+    if record is None:
+        return f"{previous} is not rebuildable from the cache; the next run rebuilds it from the catalog"
+    return f"rebuilt {previous} from its lineage in the cache; store is READY at {previous}"
+
+
+def rebuild_offline(store: LocalStore, version: str, *, workers: int) -> VerifiedCheckpoint | None:
+    """Rebuild ``version`` from ``chains/``, cached records and cached artifacts; None if incomplete."""
+    chain = store.chain(version)
+    if chain is None:
+        return None
+    full = store.inventory().get(chain.full_version)
+    if full is None or not chain.deltas:
+        return full if full is not None and full.version == version else None
+    manifests, folders = [], {}
+    for delta in chain.deltas:
+        record = _memo_record(store, delta)
+        folder = store.delta_dir(delta)
+        source = read_json_file(store.root / "deltas" / f"{delta}.source.json")
+        raw = (folder / "index.json").read_bytes() if (folder / "index.json").exists() else None
+        if record is None or raw is None or not isinstance(source, dict) or source.get("uri") != record.uri:
+            return None
+        manifest = parse_delta_manifest(raw, record)
+        if set(manifest.files) - set(source.get("files") or {}):
+            return None
+        manifests.append(manifest)
+        folders[delta] = folder
+    target = _memo_record(store, version)
+    done = materialize(store, full, target, manifests, folders, workers=workers)
+    return verify_target(store, target, done.path, base=full, patched=done.patched, chain=done.chain,
+                         full=False, workers=workers, mutated=True)
+
+
+def _memo_record(store: LocalStore, version: str) -> Revision | None:
+    cached = read_json_file(store.catalog_dir / f"{version}.json")
+    if not isinstance(cached, dict) or not isinstance(cached.get("record"), dict):
+        return None
+    try:
+        return parse_revision(cached["record"], version=version, model=store.model, file=cached.get("url", ""))
+    except CatalogError:
+        return None

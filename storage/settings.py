@@ -1,0 +1,147 @@
+"""Configuration: one pydantic model per concern.
+
+Each model validates on construction and reads environment variables with
+one prefix, so the CLI, the flow parameters and the deployments all build the
+same objects. Credentials are never fields here: S3 clients take them from the
+standard AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_PROFILE``), so they never land in a flow run's
+stored parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$"
+MIB = 2**20
+DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/canonical-refit"))
+
+
+def _workers_default() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class ObjectStoreSettings(BaseSettings):
+    """How to reach object storage (env prefix ``CANONICAL_REFIT_S3_``).
+
+    The endpoint and region fall back to botocore's own environment
+    (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``).
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_S3_", extra="ignore")
+
+    endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://127.0.0.1:9000")
+    region: str | None = Field(None, description="S3 region name")
+    anonymous: bool = Field(False, description="unsigned requests (public buckets)")
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    connect_timeout_s: float = Field(5.0, gt=0)
+    read_timeout_s: float = Field(30.0, gt=0)
+    max_pool_connections: int = Field(32, ge=1, le=1024)
+    concurrency: int = Field(8, ge=1, le=256, description="objects fetched at once")
+    retry_attempts: int = Field(6, ge=1, le=50, description="attempts per request, first included")
+    backoff_initial_s: float = Field(0.2, ge=0)
+    backoff_max_s: float = Field(10.0, ge=0)
+    block_size: int = Field(64 * MIB, ge=MIB, description="bytes per ranged read")
+
+
+class InstallerSettings(BaseSettings):
+    """Which engine to install into (env prefix ``CANONICAL_REFIT_INSTALLER_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_INSTALLER_", extra="ignore")
+
+    kind: Literal["none", "sglang", "sglang-disk"] = "none"
+    engine_urls: list[str] = Field(default_factory=list)
+    timeout_s: float = Field(600.0, gt=0, description="per-engine install request timeout")
+    api_key: str | None = Field(None, description="bearer token for the engines' admin API", exclude=True)
+    custom_loader: str = "flows.sglang_loader.load_prepared_checkpoint"
+
+    @model_validator(mode="after")
+    def _engines_for_engine_installers(self) -> "InstallerSettings":
+        if self.kind != "none" and not self.engine_urls:
+            raise ValueError(f"installer {self.kind!r} needs at least one engine URL")
+        return self
+
+
+class RefitParams(BaseSettings):
+    """Parameters of one refit (env prefix ``CANONICAL_REFIT_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
+
+    catalog: str = Field(..., description="catalog URL: s3://bucket/prefix, file:///path or a local path")
+    model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
+    target: str = Field("latest", description="version to install, or 'latest'")
+    initial_version: str | None = Field(None, description="launch revision (default: the sequence-0 record)")
+    seed_checkpoint: str | None = Field(None, description="local path of the launch HF snapshot")
+    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
+    cache_max_gb: float = Field(500.0, gt=0, description="byte quota of the store, decimal GB")
+    apply_workers: int = Field(default_factory=_workers_default, ge=1, le=256)
+    verify: Literal["incremental", "full"] = Field(
+        "incremental", description="'full' rereads every tensor instead of reusing verified checksums"
+    )
+    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
+    activate: bool = Field(True, description="False: install but leave activation to `flows.refit activate`")
+    only_if_newer: bool = Field(
+        False, description="do nothing when the target is not newer than the installed revision"
+    )
+    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+    installer: InstallerSettings = Field(default_factory=InstallerSettings)
+
+    @field_validator("target")
+    @classmethod
+    def _target_form(cls, value: str) -> str:
+        if value != "latest" and not re.match(VERSION_PATTERN, value):
+            raise ValueError(f"target {value!r} is neither 'latest' nor a valid version id")
+        return value
+
+    @field_validator("initial_version")
+    @classmethod
+    def _initial_form(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(VERSION_PATTERN, value):
+            raise ValueError(f"initial version {value!r} is not a valid version id")
+        return value
+
+    @property
+    def quota_bytes(self) -> int:
+        return int(self.cache_max_gb * 1e9)
+
+
+class PublishParams(BaseSettings):
+    """Parameters of one publication (env prefix ``CANONICAL_REFIT_PUBLISH_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_PUBLISH_", extra="ignore")
+
+    catalog: str = Field(..., description="catalog URL the record is written to")
+    model: str = Field(..., pattern=MODEL_PATTERN)
+    checkpoint: Path = Field(..., description="local safetensors checkpoint to publish")
+    kind: Literal["initial", "full", "delta"] = Field("delta")
+    version: str | None = Field(None, pattern=VERSION_PATTERN, description="default: r{sequence}")
+    payload_url: str | None = Field(None, description="where payloads go (default: {catalog}/../revisions)")
+    base_version: str | None = Field(None, pattern=VERSION_PATTERN, description="default: latest")
+    base_checkpoint: Path | None = Field(
+        None, description="local copy of the base revision (default: the publisher's own last copy)"
+    )
+    state_dir: Path = Field(
+        DEFAULT_CACHE_DIR / "publisher", description="where the publisher keeps its last published copy"
+    )
+    keep_copy: bool = Field(True, description="keep a copy of what was published as the next base")
+    encoding: Literal["xor", "xor_sparse", "overwrite", "auto"] = "xor"
+    checksum_format: Literal["adler32", "xxh3-128", "blake3"] = "adler32"
+    bucket_max_mib: int = Field(256, ge=1, description="decoded bytes per delta bucket")
+    zstd_level: int = Field(3, ge=-7, le=22)
+    workers: int = Field(default_factory=_workers_default, ge=1, le=256)
+    allow_unconditional_writes: bool = Field(
+        False, description="publish even if the server does not enforce If-None-Match"
+    )
+    emit_event: bool = Field(True, description="emit canonical-refit.revision.published")
+    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+
+    @property
+    def bucket_max_bytes(self) -> int:
+        return self.bucket_max_mib * MIB

@@ -1,0 +1,137 @@
+"""Stage 4, fetch buckets: download buckets and full shards concurrently into the artifact cache."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.artifacts import DELTA, FULL
+from storage.durable import tree_size
+from storage.errors import ManifestError, RefitError
+from storage.manifests import Manifest
+from storage.quota import ensure_capacity
+from storage.safetensors import read_header
+from tasks.receiver import Receiver
+from tasks.resolve_catalog import ReplayPlan
+from tasks.seed_checkpoint import Baseline
+from tasks.stage import stage_task
+
+
+@dataclass(frozen=True)
+class Artifacts:
+    """Where each revision's artifact folder is, and what fetching it cost."""
+
+    folders: dict[str, Path]
+    downloaded_files: int = 0
+    reused_files: int = 0
+    reused_bytes: int = 0
+    bytes: int = 0
+    evicted: tuple[str, ...] = ()
+
+    @property
+    def summary(self) -> str:
+        text = (f"downloaded {self.downloaded_files} file(s), reused {self.reused_files} "
+                f"({self.reused_bytes:,} bytes) from the cache")
+        return text + (f"; evicted {', '.join(self.evicted)}" if self.evicted else "")
+
+
+@dataclass(frozen=True)
+class _Job:
+    manifest: Manifest
+    kind: str
+    name: str
+    folder: Path
+
+    @property
+    def url(self) -> str:
+        return self.manifest.file_url(self.name)
+
+
+def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -> Artifacts:
+    """Fetch every file of ``indexes`` not already complete in the cache, size- and header-checked.
+
+    The quota is checked (and room made) before the first byte is downloaded;
+    downloads finish before the store changes, so a network failure leaves the
+    current checkpoint as it was and a retry reuses every complete file.
+    """
+    folders, jobs, reused, reused_bytes = {}, [], 0, 0
+    version_bytes: dict[str, int] = {}
+    for manifest in indexes.manifests:
+        kind = DELTA if manifest.is_delta else FULL
+        folder = rx.artifacts.open(kind, manifest.version, manifest.uri, manifest.raw)
+        folders[manifest.version] = folder
+        for name in manifest.files:
+            if rx.artifacts.complete(kind, manifest.version, name):
+                size = (folder / name).stat().st_size
+                reused += 1
+                reused_bytes += size
+                version_bytes[manifest.version] = version_bytes.get(manifest.version, 0) + size
+            else:
+                jobs.append(_Job(manifest, kind, name, folder))
+    workers = rx.params.storage.concurrency
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
+        sizes = list(pool.map(lambda job: rx.objects.size(job.url), jobs))
+    for job, size in zip(jobs, sizes):
+        version_bytes[job.manifest.version] = version_bytes.get(job.manifest.version, 0) + size
+    evicted = ensure_capacity(
+        rx.store, sum(sizes) + _materialize_bytes(rx, baseline, indexes, version_bytes),
+        _working_set(rx, baseline, folders), what=f"refit to {plan.target.version}",
+    )
+    progress = rx.progress("fetch", sum(sizes))
+
+    def fetch(job_size: tuple[_Job, int]) -> int:
+        job, size = job_size
+        path = job.folder / job.name
+        got = rx.objects.download(job.url, path, expected_size=size)
+        progress(got)
+        try:
+            _check_file(job, path)
+        except RefitError:
+            path.unlink(missing_ok=True)
+            raise
+        rx.artifacts.record(job.kind, job.manifest.version, job.name)
+        return got
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
+        downloaded = sum(pool.map(fetch, zip(jobs, sizes)))
+    return Artifacts(folders, len(jobs), reused, reused_bytes, downloaded, tuple(evicted))
+
+
+def _check_file(job: _Job, path: Path) -> None:
+    """Strict header check right after download; a full shard must hold exactly its mapped tensors."""
+    header = read_header(path, revision=job.manifest.version, file=job.url)
+    if job.kind == FULL:
+        expected = set(job.manifest.tensors_of(job.name))
+        for name in sorted(expected ^ set(header.tensors)):
+            where = "is missing from the shard" if name in expected else "is in the shard but not in the index"
+            raise ManifestError(f"tensor {where}", revision=job.manifest.version, file=job.url, tensor=name)
+
+
+def _materialize_bytes(rx: Receiver, baseline: Baseline, indexes, version_bytes: dict[str, int]) -> int:
+    """Bytes the apply stage will copy: a full checkpoint copied once before the first delta."""
+    if not indexes.deltas:
+        return 0
+    if baseline.checkpoint is not None:
+        if baseline.checkpoint.path.startswith("materialized/"):
+            return 0
+        return tree_size(rx.store.absolute(baseline.checkpoint.path))
+    return version_bytes.get(indexes.full.version, 0) if indexes.full else 0
+
+
+def _working_set(rx: Receiver, baseline: Baseline, folders: dict[str, Path]) -> set[Path]:
+    protect = set(folders.values()) | {rx.store.tmp_dir}
+    if baseline.checkpoint is not None:
+        protect.add(rx.store.absolute(baseline.checkpoint.path))
+    current = rx.store.current()
+    if current is not None:
+        protect.add(rx.store.absolute(current.path))
+    active = rx.store.active()
+    if active is not None:
+        protect.add(rx.store.absolute(active.path))
+    for version in rx.ledger.lineage:  # full checkpoints of the chain may be needed for the copy
+        protect.add(rx.store.full_dir(version))
+    return protect
+
+
+fetch_buckets_task = stage_task("fetch buckets", fetch_buckets, read_only=True)

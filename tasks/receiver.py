@@ -1,0 +1,147 @@
+"""What every receiver stage works with: parameters, stores, catalog, ledger, progress."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from storage.artifacts import ArtifactCache
+from storage.catalog import Catalog
+from storage.errors import RefitError
+from storage.local_store import LocalStore
+from storage.objects import ObjectStore, TransferStats
+from storage.settings import RefitParams
+
+log = logging.getLogger("canonical_refit.receiver")
+
+
+@dataclass
+class StageRecord:
+    """Wall time, bytes and transfer counts of one stage, as shown in the run's table."""
+
+    name: str
+    seconds: float = 0.0
+    bytes: int = 0
+    attempts: int = 0
+    requests: int = 0
+    retries: int = 0
+    backoff_s: float = 0.0
+    status: str = "pending"
+    detail: str = ""
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    def row(self) -> dict:
+        return {
+            "stage": self.name,
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "bytes": self.bytes,
+            "MB/s": round(self.mb_per_s, 1),
+            "attempts": self.attempts,
+            "requests": self.requests,
+            "retries": self.retries,
+            "backoff_s": round(self.backoff_s, 2),
+            "detail": self.detail,
+        }
+
+
+@dataclass
+class Ledger:
+    """Per-stage records of one run, in stage order."""
+
+    stages: dict[str, StageRecord] = field(default_factory=dict)
+    lineage: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def record(self, name: str) -> StageRecord:
+        return self.stages.setdefault(name, StageRecord(name))
+
+    def note(self, message: str) -> None:
+        log.info(message)
+        self.notes.append(message)
+
+
+class Progress:
+    """Thread-safe byte counter that reports at most every ``interval_s``."""
+
+    def __init__(self, label: str, total: int, report: Callable[[str, int, int], None] | None, interval_s=1.0):
+        self.label, self.total, self.done = label, total, 0
+        self._report, self._interval = report, interval_s
+        self._lock = threading.Lock()
+        self._last = 0.0
+
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            due = now - self._last >= self._interval or self.done >= self.total
+            if due:
+                self._last = now
+        if due and self._report:
+            self._report(self.label, self.done, self.total)
+
+
+class Receiver:
+    """The stores and settings one refit run works with (no Prefect here)."""
+
+    def __init__(self, params: RefitParams, *, installer=None,
+                 progress: Callable[[str, int, int], None] | None = None):
+        self.params = params
+        self.store = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes)
+        self.artifacts = ArtifactCache(self.store)
+        self._objects = ObjectStore(params.storage)
+        self.objects = self._objects
+        self.catalog = Catalog(self.objects, params.catalog, params.model, cache_dir=self.store.catalog_dir)
+        self.ledger = Ledger()
+        self.report_progress = progress
+        self.installer = installer
+        self.lock = None
+
+    def progress(self, label: str, total: int) -> Progress:
+        return Progress(label, total, self.report_progress)
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[StageRecord]:
+        """Measure one stage: wall time, and the requests, retries and backoff it caused."""
+        record = self.ledger.record(name)
+        record.attempts += 1
+        stats = TransferStats()
+        self.objects = self._objects.with_stats(stats)
+        self.catalog.store = self.objects
+        start = time.perf_counter()
+        try:
+            yield record
+            record.status = "ok"
+        except RefitError as exc:
+            record.status = "failed"
+            record.detail = str(exc)
+            raise
+        except BaseException as exc:
+            record.status = "failed"
+            record.detail = f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            record.seconds += time.perf_counter() - start
+            snap = stats.snapshot()
+            record.requests += snap["attempts"]
+            record.retries += snap["retries"]
+            record.backoff_s += snap["backoff_s"]
+            self.objects = self._objects
+            self.catalog.store = self._objects
+
+    def acquire_preparation_lock(self):
+        """Exclusive store lock for stages 1-6; ``downgrade`` it to the installation fence."""
+        self.lock = self.store.exclusive(self.params.lock_timeout_s).acquire()
+        return self.lock
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None

@@ -1,0 +1,80 @@
+"""Stage 1, resolve catalog: the target record and the replay chain that reaches it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from storage.catalog import Revision
+from storage.errors import LineageError
+from tasks.receiver import Receiver
+from tasks.stage import stage_task
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """The target, the launch revision, and the lineage from a starting point to the target.
+
+    ``lineage[0]`` is where reconstruction starts: a checkpoint already
+    verified in the local store, a full revision, or the launch revision
+    (seeded from the launch snapshot). Every later entry is an exact-base delta.
+    """
+
+    target: Revision
+    initial: Revision
+    lineage: tuple[Revision, ...]
+    root_is_local: bool
+    superseded_by: str | None = None
+    bytes: int = 0
+
+    @property
+    def root(self) -> Revision:
+        return self.lineage[0]
+
+    @property
+    def deltas(self) -> tuple[Revision, ...]:
+        return self.lineage[1:]
+
+    @property
+    def summary(self) -> str:
+        if self.superseded_by:
+            return f"target {self.target.version} is not newer than installed {self.superseded_by}: nothing to do"
+        where = "local checkpoint" if self.root_is_local else self.root.payload_format
+        return (f"target {self.target.version}: start from {self.root.version} ({where}), "
+                f"replay {len(self.deltas)} delta(s)")
+
+
+def resolve_catalog(rx: Receiver) -> ReplayPlan:
+    """Read the target record and walk its bases back to something we can start from.
+
+    Fails before any download if a link is wrong: a base that is missing, has
+    another digest or layout, or a local checkpoint that is not the catalog's.
+    """
+    params = rx.params
+    initial = rx.catalog.initial(params.initial_version)
+    target = rx.catalog.resolve(params.target)
+    if target.format_digest != initial.format_digest:
+        raise LineageError(
+            f"format_digest {target.format_digest} differs from the launch revision {initial.version}'s "
+            f"{initial.format_digest}: the tensor layout must stay the same",
+            revision=target.version, file=rx.catalog.record_url(target.version), field="format_digest",
+        )
+    active = rx.store.active()
+    if params.only_if_newer and active is not None:
+        installed = rx.catalog.read(active.version)
+        if installed.sequence >= target.sequence:
+            rx.ledger.note(f"{target.version} (sequence {target.sequence}) is not newer than the installed "
+                           f"{installed.version} (sequence {installed.sequence}); nothing to do")
+            return ReplayPlan(target, initial, (target,), True, superseded_by=installed.version)
+    local = {version: record.target_digest for version, record in rx.store.inventory().items()}
+    lineage = rx.catalog.lineage(target, local)
+    root = lineage[0]
+    if root.version not in local and root.payload_format == "metadata_only" and root.version != initial.version:
+        raise LineageError(
+            f"the lineage reaches launch revision {root.version}, but the launch revision is {initial.version}",
+            revision=target.version, file=rx.catalog.record_url(root.version), field="base_version",
+        )
+    rx.ledger.lineage = [r.version for r in lineage]
+    return ReplayPlan(target, initial, tuple(lineage), root.version in local)
+
+
+resolve_catalog_task = stage_task("resolve catalog", resolve_catalog, read_only=True)

@@ -1,0 +1,116 @@
+"""Stage 2, seed checkpoint: recover the store, and seed it from the launch snapshot if needed."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from storage.artifacts import FULL
+from storage.catalog import Revision
+from storage.checkpoint import CheckpointIndex
+from storage.durable import copy_tree_files, folder_identity, fsync_dir, remove_tree, tree_size
+from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
+from storage.local_store import VerifiedCheckpoint, now_ms
+from storage.quota import ensure_capacity
+from tasks.receiver import Receiver
+from tasks.resolve_catalog import ReplayPlan
+from tasks.stage import stage_task
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The verified local checkpoint reconstruction starts from (None: a full revision to fetch)."""
+
+    checkpoint: VerifiedCheckpoint | None
+    seeded: bool = False
+    recovery: tuple[str, ...] = field(default_factory=tuple)
+    bytes: int = 0
+
+    @property
+    def summary(self) -> str:
+        parts = list(self.recovery)
+        if self.checkpoint is None:
+            parts.append("start from a full revision")
+        else:
+            parts.append(("seeded " if self.seeded else "reuse ") + f"{self.checkpoint.version} "
+                         f"({self.checkpoint.path})")
+        return "; ".join(parts)
+
+
+def seed_checkpoint(rx: Receiver, plan: ReplayPlan) -> Baseline:
+    """Make sure the store holds a verified checkpoint to start from (call under the exclusive lock).
+
+    Recovers an interrupted update or tampered files first; seeds the launch
+    snapshot into ``full/{v}`` on first use, verified against revision 0's
+    format and target digest before the store trusts it.
+    """
+    recovery = tuple(rx.store.recover())
+    for action in recovery:
+        rx.ledger.note(f"recovery: {action}")
+    root = plan.root
+    inventory = rx.store.inventory()
+    if root.version in inventory:
+        return Baseline(inventory[root.version], recovery=recovery)
+    if plan.root_is_local:
+        raise StoreError(f"checkpoint {root.version} disappeared from the store while it was locked",
+                         revision=root.version, file=str(rx.store.root))
+    if root.payload_format == "full_hf_checkpoint":
+        return Baseline(None, recovery=recovery)
+    checkpoint, copied = seed_launch_snapshot(rx, root)
+    return Baseline(checkpoint, seeded=True, recovery=recovery, bytes=copied)
+
+
+def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheckpoint, int]:
+    """Copy the launch snapshot into ``full/{initial}`` and verify it; returns the record and bytes."""
+    seed = rx.params.seed_checkpoint
+    if not seed:
+        raise StoreError(
+            f"the store has no checkpoint to start from; pass --seed-checkpoint with the launch snapshot "
+            f"of {initial.version}",
+            revision=initial.version,
+        )
+    seed_path = Path(seed).expanduser().resolve()
+    source = CheckpointIndex.open(seed_path, revision=initial.version)
+    if source.format_digest() != initial.format_digest:
+        raise CheckpointMismatch(
+            f"launch snapshot has format digest {source.format_digest()}, revision {initial.version} says "
+            f"{initial.format_digest}: it is not this model's launch snapshot",
+            revision=initial.version, file=str(seed_path),
+        )
+    folder = rx.store.full_dir(initial.version)
+    protect = {rx.store.tmp_dir}
+    ensure_capacity(rx.store, tree_size(seed_path), protect, what=f"seeding {initial.version}")
+    state = rx.store.state()
+    rx.store.mark_updating(initial.version, folder, state.version if state else None)
+    remove_tree(folder)
+    staging = rx.store.tmp_dir / f"seed-{initial.version}"
+    remove_tree(staging)
+    progress = rx.progress(f"seed {initial.version}", tree_size(seed_path))
+    copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress)
+    staging.rename(folder)
+    fsync_dir(folder.parent)
+    index = CheckpointIndex.open(folder, revision=initial.version)
+    checksums = index.checksums(initial.checksum_format, workers=rx.params.apply_workers,
+                                progress=rx.progress(f"verify {initial.version}", index.nbytes))
+    digest = index.snapshot_digest(initial.checksum_format, checksums)
+    if digest != initial.target_digest:
+        shutil.rmtree(folder, ignore_errors=True)
+        rx.store.recover()
+        raise ChecksumMismatch(
+            f"launch snapshot hashes to {digest}, revision {initial.version} says {initial.target_digest}",
+            revision=initial.version, file=str(seed_path), field="target_digest",
+        )
+    rx.artifacts.record_seed(initial.version, seed_path)
+    record = VerifiedCheckpoint(
+        version=initial.version, path=rx.store.relative(folder), sequence=initial.sequence,
+        checksum_format=initial.checksum_format, format_digest=initial.format_digest,
+        target_digest=digest, checksums=checksums, files=folder_identity(folder), verified_at_unix_ms=now_ms(),
+    )
+    rx.store.record_verified(record)
+    rx.store.mark_ready(record)
+    rx.ledger.note(f"seeded {initial.version} from {seed_path}: {copied:,} bytes, digest verified")
+    return record, copied
+
+
+seed_checkpoint_task = stage_task("seed checkpoint", seed_checkpoint, read_only=False)
