@@ -27,6 +27,7 @@ from pathlib import Path
 
 from storage.durable import atomic_write_json, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size
 from storage.errors import StoreError
+from storage.killpoints import killpoint
 from storage.locks import StoreLock
 
 log = logging.getLogger("canonical_refit.store")
@@ -160,6 +161,7 @@ class LocalStore:
     def mark_updating(self, version: str, source: Path, previous: str | None) -> None:
         """Durably record that ``source`` is about to change (before its first byte does)."""
         self.write_state(StoreState(UPDATING, version, {}, self.relative(source), previous))
+        killpoint("state.updating")
 
     def mark_ready(self, checkpoint: VerifiedCheckpoint) -> None:
         self.write_state(StoreState(READY, checkpoint.version, checkpoint.files, checkpoint.path))

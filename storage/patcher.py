@@ -24,6 +24,7 @@ import numpy as np
 from storage.checkpoint import CheckpointIndex, TensorLocation
 from storage.codec import make_decoder
 from storage.digests import is_checksum, new_checksum
+from storage.killpoints import killpoint
 from storage.errors import ChecksumMismatch, CodecError, FormatError, ManifestError, RefitError
 from storage.manifests import Manifest
 from storage.safetensors import read_header
@@ -249,6 +250,7 @@ def _apply_tensor(maps: _Maps, plan: TensorPlan, target_format: str, block_size:
             final.update(block)
         if progress:
             progress(block.size * len(decoders))
+        killpoint("apply.block")
     for decoder in decoders:
         decoder.finish()
     for step, h in zip(plan.steps, hashes):

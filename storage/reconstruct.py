@@ -22,6 +22,7 @@ from storage.checkpoint import CheckpointIndex, require_same_layout
 from storage.digests import snapshot_digest
 from storage.durable import copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
 from storage.errors import CatalogError, ChecksumMismatch, CheckpointMismatch, FormatError, RefitError
+from storage.killpoints import killpoint
 from storage.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
 from storage.manifests import Manifest, parse_delta_manifest
 from storage.patcher import apply_patches, plan_patches
@@ -93,6 +94,7 @@ def materialize(
             copied = copy_tree_files(base_path, staging, workers=workers)
             staging.rename(target_dir)
             fsync_dir(target_dir.parent)
+        killpoint("apply.materialized")
         index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
         total = sum(p.location.nbytes * len(p.steps) for p in plans)
         patched = apply_patches(index, plans, target_checksum_format=target.checksum_format,
@@ -152,6 +154,7 @@ def verify_target(
     if digest != target.target_digest:
         raise ChecksumMismatch(f"checkpoint digest {digest} differs from the catalog's target_digest "
                                f"{target.target_digest}", field="target_digest", **context)
+    killpoint("verify.before_ready")
     record = VerifiedCheckpoint(
         version=target.version, path=store.relative(path), sequence=target.sequence, checksum_format=fmt,
         format_digest=layout_digest, target_digest=digest, checksums=checksums,

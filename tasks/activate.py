@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from storage.errors import InstallError
+from storage.killpoints import killpoint
 from storage.local_store import ActiveIdentity, LocalStore, now_ms
 from tasks.install import InstallReceipt
 from tasks.receiver import Receiver
@@ -29,6 +30,7 @@ def record_active(store: LocalStore, version: str, installer: str) -> ActiveIden
         files=record.files, path=record.path, installer=installer, installed_at_unix_ms=now_ms(),
     )
     store.write_active(identity)
+    killpoint("activate.written")
     store.clear_poisoned()
     return identity
 

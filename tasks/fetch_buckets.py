@@ -9,6 +9,7 @@ from pathlib import Path
 from storage.artifacts import DELTA, FULL
 from storage.durable import tree_size
 from storage.errors import ManifestError, RefitError
+from storage.killpoints import killpoint
 from storage.manifests import Manifest
 from storage.quota import ensure_capacity
 from storage.safetensors import read_header
@@ -91,6 +92,7 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
             path.unlink(missing_ok=True)
             raise
         rx.artifacts.record(job.kind, job.manifest.version, job.name)
+        killpoint("fetch.file")
         return got
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:

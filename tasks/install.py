@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storage.errors import InstallError, PoisonedError, ReceiverPoisoned
+from storage.killpoints import killpoint
 from tasks.installers import InstallRequest
 from tasks.receiver import Receiver
 from tasks.stage import stage_task
@@ -51,6 +52,7 @@ def install(rx: Receiver, target: VerifiedTarget, *, recovering: bool = False) -
         return InstallReceipt(target, installer.name, f"{record.version} is already installed", skipped=True)
     request = InstallRequest(rx.store, record.version, record.target_digest, record.format_digest,
                              target.path, record.files)
+    killpoint("install.before")
     try:
         outcome = installer.install(request)
     except PoisonedError as exc:
@@ -58,6 +60,7 @@ def install(rx: Receiver, target: VerifiedTarget, *, recovering: bool = False) -
         raise exc.with_context(revision=record.version)
     except InstallError as exc:
         raise exc.with_context(revision=record.version)
+    killpoint("install.after")
     return InstallReceipt(target, installer.name, outcome.detail)
 
 

@@ -11,6 +11,7 @@ from storage.catalog import Revision
 from storage.checkpoint import CheckpointIndex
 from storage.durable import copy_tree_files, folder_identity, fsync_dir, remove_tree, tree_size
 from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
+from storage.killpoints import killpoint
 from storage.local_store import VerifiedCheckpoint, now_ms
 from storage.quota import ensure_capacity
 from tasks.receiver import Receiver
@@ -90,6 +91,7 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
     copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress)
     staging.rename(folder)
     fsync_dir(folder.parent)
+    killpoint("seed.copied")
     index = CheckpointIndex.open(folder, revision=initial.version)
     checksums = index.checksums(initial.checksum_format, workers=rx.params.apply_workers,
                                 progress=rx.progress(f"verify {initial.version}", index.nbytes))

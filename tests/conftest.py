@@ -1,0 +1,53 @@
+"""Shared fixtures: isolated Prefect state, tiny models, a lab that publishes and refits.
+
+Prefect is isolated before it is imported: a temporary ``PREFECT_HOME``,
+analytics off, and (for tests that run flows) a session-scoped
+``prefect_test_harness``, so no test touches a developer's Prefect database.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+_PREFECT_HOME = tempfile.mkdtemp(prefix="canonical-refit-prefect-")
+os.environ["PREFECT_HOME"] = _PREFECT_HOME
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
+for key in [k for k in os.environ if k.startswith("CANONICAL_REFIT_") or k.startswith("AWS_")]:
+    del os.environ[key]  # the tests build every setting themselves
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pytest  # noqa: E402
+
+from lab import Lab, tiny_shape  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect API for tests that run flows (started once per session)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def lab(tmp_path) -> Lab:
+    """A catalog, a trainer and a receiver cache under ``tmp_path`` (file:// storage)."""
+    return Lab(tmp_path, shape=tiny_shape())
+
+
+@pytest.fixture
+def flow_lab(prefect_api, tmp_path) -> Lab:
+    """Like ``lab``, for tests that run the Prefect flows."""
+    return Lab(tmp_path, shape=tiny_shape())
