@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 EXIT_READY, EXIT_FAILED, EXIT_USAGE, EXIT_POISONED = 0, 1, 2, 3
@@ -85,8 +84,6 @@ def build_params(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None, *, refit_flow=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
     if not argv:
         from flows.demo import run_demo
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
+# stage helpers log from worker threads, outside any run context: keep those lines local
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -34,8 +36,10 @@ from storage.publisher import (  # noqa: E402
     snapshot_of, stage_delta, stage_full, upload_payload,
 )
 from storage.settings import PublishParams  # noqa: E402
+from tasks.stage import transient_only  # noqa: E402
 
 log = logging.getLogger("canonical_refit.publish")
+logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
 EVENT = "canonical-refit.revision.published"
 PAYLOAD_FORMATS = {"initial": "metadata_only", "full": "full_hf_checkpoint", "delta": "xor_delta"}
 
@@ -125,7 +129,8 @@ def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> t
     return stage_full(snap, staging), snap
 
 
-@task(name="upload payload", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[1, 4])
+@task(name="upload payload", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[1, 4],
+      retry_condition_fn=transient_only)  # a conflict or a denied write cannot succeed later
 def upload(params: PublishParams, objects: ObjectStore, payload: Payload | None, url: str) -> int:
     return upload_payload(objects, payload, url, workers=params.storage.concurrency) if payload else 0
 
@@ -236,8 +241,6 @@ def parse_args(argv: list[str]) -> PublishParams:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
     params, as_json = parse_args(list(sys.argv[1:] if argv is None else argv))
     state = publish(params, return_state=True)
     value = state.result(raise_on_failure=False)

@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
+# stage helpers log from worker threads, outside any run context: keep those lines local
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+
+import logging  # noqa: E402
 
 from prefect import flow  # noqa: E402
 from prefect.states import Completed, Failed, State  # noqa: E402
@@ -26,6 +30,8 @@ from tasks.receiver import Receiver  # noqa: E402
 from tasks.resolve_catalog import resolve_catalog_task  # noqa: E402
 from tasks.seed_checkpoint import seed_checkpoint_task  # noqa: E402
 from tasks.verify_digest import verify_digest_task  # noqa: E402
+
+logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
 
 
 @flow(name="refit", flow_run_name="refit {params.model} to {params.target}", validate_parameters=True)

@@ -38,6 +38,12 @@ class ArtifactCache:
         raw = read_json_file(self._source_path(kind, version))
         return raw if isinstance(raw, dict) else None
 
+    def matches(self, kind: str, version: str, uri: str, index: bytes | None) -> bool:
+        """True if the cached folder of ``version`` came from this very source (URI and index bytes)."""
+        source = self.source(kind, version)
+        index_sha = hashlib.sha256(index).hexdigest() if index is not None else None
+        return source is not None and source.get("uri") == uri and source.get("index_sha256") == index_sha
+
     def open(self, kind: str, version: str, uri: str, index: bytes | None) -> Path:
         """The folder for ``version`` from ``uri``; anything cached from another source is wiped.
 
@@ -47,12 +53,11 @@ class ArtifactCache:
         index_sha = hashlib.sha256(index).hexdigest() if index is not None else None
         folder = self.folder(kind, version)
         with self._lock:
-            source = self.source(kind, version)
-            if source is None or source.get("uri") != uri or source.get("index_sha256") != index_sha:
+            if not self.matches(kind, version, uri, index):
                 remove_tree(folder)
                 self._source_path(kind, version).unlink(missing_ok=True)
-                source = {"uri": uri, "index_sha256": index_sha, "files": {}}
-                atomic_write_json(self._source_path(kind, version), source)
+                atomic_write_json(self._source_path(kind, version),
+                                  {"uri": uri, "index_sha256": index_sha, "files": {}})
             folder.mkdir(parents=True, exist_ok=True)
             if index is not None:
                 name = FULL_INDEX_NAME if kind == FULL else DELTA_INDEX_NAME

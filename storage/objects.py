@@ -64,7 +64,7 @@ _TRANSIENT_EXCEPTION_NAMES = {
     "ClientConnectorError", "ServerTimeoutError", "ContentLengthError", "TransferEncodingError",
     "FSTimeoutError", "ResponseParserError", "IncompleteRead",
 }
-_verified_conditional_prefixes: set[str] = set()
+_conditional_probes: dict[str, bool] = {}  # "endpoint|bucket" -> whether If-None-Match is enforced
 _verified_lock = threading.Lock()
 
 
@@ -227,8 +227,9 @@ class ObjectStore:
                 "connect_timeout": s.connect_timeout_s,
                 "read_timeout": s.read_timeout_s,
                 "max_pool_connections": s.max_pool_connections,
-                # one attempt per layer below us: our loop owns retries and counts them
-                "retries": {"max_attempts": 1, "mode": "standard"},
+                # botocore's ``max_attempts`` counts retries, not attempts: ``total_max_attempts``
+                # 1 turns its retries off, so our loop owns them and counts every one
+                "retries": {"total_max_attempts": 1, "mode": "standard"},
             }
             if s.addressing_style != "auto":
                 config["s3"] = {"addressing_style": s.addressing_style}
@@ -397,36 +398,46 @@ class ObjectStore:
         if created:
             self.stats.add(bytes_written=len(data))
             return True
-        existing = self.read_bytes(url, max_size=len(data))
-        if existing != data:
+        # a different size is a conflict too, and must not be read (it may be large)
+        if self.size(url) != len(data) or self.read_bytes(url, max_size=len(data)) != data:
             raise ImmutableConflict("a different object is already published here", file=url)
         return False
 
     def put_immutable_file(self, url: str, local: Path) -> bool:
-        """Create ``url`` from a local file (streamed); same semantics as ``put_immutable``."""
+        """Create ``url`` from a local file; same semantics as ``put_immutable``.
+
+        On S3 a file under two parts is one conditional PUT, a larger one a
+        multipart upload of ``block_size`` parts whose completion is
+        conditional; memory holds at most about two parts. A large file whose
+        key already exists (a republish after a crash) is compared, not uploaded again.
+        """
         fs, path = self.locate(url)
         local = Path(local)
         size = local.stat().st_size
+        part = self.settings.block_size
 
         def put() -> bool:
             try:
                 if self.is_local(fs):
                     _local_create(Path(path), lambda fh: _copy_into(local, fh))
+                elif "s3" in _protocols(fs):
+                    fs.put_file(str(local), path, mode="create", chunksize=part)
                 else:
                     fs.put_file(str(local), path, mode="create")
                 return True
             except FileExistsError:
                 return False
 
-        if self.call("create-only upload", url, put):
+        exists = size >= 2 * part and not self.is_local(fs) and self.exists(url)
+        if not exists and self.call("create-only upload", url, put):
             self.stats.add(bytes_written=size)
             return True
         if self.size(url) != size or not self._same_content(url, local):
             raise ImmutableConflict("a different object is already published here", file=url)
         return False
 
-    def _same_content(self, url: str, local: Path, chunk: int = 64 * 2**20) -> bool:
-        size = local.stat().st_size
+    def _same_content(self, url: str, local: Path) -> bool:
+        size, chunk = local.stat().st_size, self.settings.block_size
         with open(local, "rb") as fh:
             for start in range(0, size, chunk):
                 end = min(size, start + chunk)
@@ -435,48 +446,70 @@ class ObjectStore:
         return True
 
     def ensure_conditional_writes(self, prefix_url: str, *, allow_unconditional: bool = False) -> None:
-        """Check once per bucket that create-only writes are enforced by the server.
+        """Check once per server and bucket that create-only writes are enforced.
 
         Some S3-compatible servers ignore ``If-None-Match: *`` and overwrite
-        silently; publishing there could replace an immutable revision.
+        silently; publishing there could replace an immutable revision. The
+        probe writes a fresh object under ``prefix_url`` twice, create-only,
+        and checks that the second write was refused; then it deletes it.
         """
         fs, path = self.locate(prefix_url)
-        if self.is_local(fs) or fs.protocol in ("memory",) or "memory" in fs.protocol:
-            return
-        key = f"{fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]}://{path.split('/', 1)[0]}"
+        if self.is_local(fs) or "memory" in _protocols(fs):
+            return  # our own create-only path (link, exclusive) is used for these
+        key = f"{_server_of(fs)}|{path.split('/', 1)[0]}"
         with _verified_lock:
-            if key in _verified_conditional_prefixes:
-                return
+            enforced = _conditional_probes.get(key)
+        if enforced is None:
+            enforced = self._probe_conditional_writes(prefix_url)
+            with _verified_lock:
+                _conditional_probes[key] = enforced
+        if enforced:
+            return
+        message = (
+            f"the object store at {key.split('|')[0]} does not enforce conditional writes "
+            "(If-None-Match: *): a second create-only PUT overwrote a probe object, so published "
+            "revisions would not be immutable"
+        )
+        if not allow_unconditional:
+            raise ConditionalWritesUnsupported(
+                message + "; use a server that enforces them or pass --allow-unconditional-writes",
+                file=prefix_url,
+            )
+        log.warning("%s; continuing because unconditional writes were explicitly allowed", message)
+
+    def _probe_conditional_writes(self, prefix_url: str) -> bool:
+        """True if a second create-only PUT of the same new key is refused."""
         probe = join_url(normalize_url(prefix_url), ".canonical-refit-probe", uuid.uuid4().hex)
-        probe_fs, probe_path = self.locate(probe)
+        fs, path = self.locate(probe)
         self.put_immutable(probe, b"first")
 
         def second() -> bool:
             try:
-                probe_fs.pipe_file(probe_path, b"second", mode="create")
-                return True
-            except FileExistsError:
+                fs.pipe_file(path, b"second", mode="create")
                 return False
+            except FileExistsError:
+                return True
 
-        overwritten = self.call("conditional-write probe", probe, second)
+        # a retry after a lost response meets our own first write: still a refusal
+        enforced = self.call("conditional-write probe", probe, second)
         try:
-            probe_fs.rm_file(probe_path)
+            fs.rm_file(path)
         except Exception as exc:  # a leftover probe object is harmless
             log.info("could not delete conditional-write probe %s: %s", probe, exc)
-        if overwritten:
-            message = (
-                "the object store does not enforce conditional writes (If-None-Match: *): "
-                "a second create-only PUT overwrote the probe object, so published revisions "
-                "would not be immutable"
-            )
-            if not allow_unconditional:
-                raise ConditionalWritesUnsupported(
-                    message + "; use a server that enforces them or pass --allow-unconditional-writes",
-                    file=probe,
-                )
-            log.warning("%s; continuing because unconditional writes were explicitly allowed", message)
-        with _verified_lock:
-            _verified_conditional_prefixes.add(key)
+        log.info("conditional writes %s by the server of %s",
+                 "are enforced" if enforced else "are NOT enforced", prefix_url)
+        return enforced
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def _server_of(fs: fsspec.AbstractFileSystem) -> str:
+    """Which server a filesystem talks to: the S3 endpoint the client resolved (settings or env)."""
+    if "s3" in _protocols(fs):
+        return str(fs.connect().meta.endpoint_url)  # builds the client, sends no request
+    return _protocols(fs)[0]
 
 
 def _local_create(path: Path, write: Callable) -> None:

@@ -29,10 +29,13 @@ def _workers_default() -> int:
 
 
 class ObjectStoreSettings(BaseSettings):
-    """How to reach object storage (env prefix ``CANONICAL_REFIT_S3_``).
+    """How to reach object storage (env prefix ``CANONICAL_REFIT_S3_``, e.g. ``CANONICAL_REFIT_S3_ENDPOINT_URL``).
 
     The endpoint and region fall back to botocore's own environment
     (``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``).
+    Every request gets ``retry_attempts`` attempts in all, with exponential
+    backoff from ``backoff_initial_s`` up to ``backoff_max_s`` (jittered);
+    botocore's and s3fs's own retries are turned off so that each one is counted.
     """
 
     model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_S3_", extra="ignore")
@@ -41,14 +44,22 @@ class ObjectStoreSettings(BaseSettings):
     region: str | None = Field(None, description="S3 region name")
     anonymous: bool = Field(False, description="unsigned requests (public buckets)")
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
-    connect_timeout_s: float = Field(5.0, gt=0)
-    read_timeout_s: float = Field(30.0, gt=0)
-    max_pool_connections: int = Field(32, ge=1, le=1024)
-    concurrency: int = Field(8, ge=1, le=256, description="objects fetched at once")
+    connect_timeout_s: float = Field(5.0, gt=0, description="seconds to open a connection")
+    read_timeout_s: float = Field(30.0, gt=0, description="seconds without a byte before a request is abandoned")
+    max_pool_connections: int = Field(32, ge=1, le=1024, description="HTTP connections kept per client")
+    concurrency: int = Field(8, ge=1, le=256, description="objects fetched or uploaded at once")
     retry_attempts: int = Field(6, ge=1, le=50, description="attempts per request, first included")
-    backoff_initial_s: float = Field(0.2, ge=0)
-    backoff_max_s: float = Field(10.0, ge=0)
-    block_size: int = Field(64 * MIB, ge=MIB, description="bytes per ranged read")
+    backoff_initial_s: float = Field(0.2, ge=0, description="wait before the first retry")
+    backoff_max_s: float = Field(10.0, ge=0, description="longest wait between attempts")
+    block_size: int = Field(64 * MIB, ge=5 * MIB, le=5 * 2**30,
+                            description="bytes per ranged read and per multipart-upload part (S3: 5 MiB to 5 GiB)")
+
+    @model_validator(mode="after")
+    def _backoff_bounds(self) -> "ObjectStoreSettings":
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(f"backoff_max_s ({self.backoff_max_s}) is below backoff_initial_s "
+                             f"({self.backoff_initial_s})")
+        return self
 
 
 class InstallerSettings(BaseSettings):

@@ -60,10 +60,11 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
     version_bytes: dict[str, int] = {}
     for manifest in indexes.manifests:
         kind = DELTA if manifest.is_delta else FULL
-        folder = rx.artifacts.open(kind, manifest.version, manifest.uri, manifest.raw)
+        folder = rx.artifacts.folder(kind, manifest.version)
         folders[manifest.version] = folder
+        cached = rx.artifacts.matches(kind, manifest.version, manifest.uri, manifest.raw)
         for name in manifest.files:
-            if rx.artifacts.complete(kind, manifest.version, name):
+            if cached and rx.artifacts.complete(kind, manifest.version, name):
                 size = (folder / name).stat().st_size
                 reused += 1
                 reused_bytes += size
@@ -72,14 +73,18 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
                 jobs.append(_Job(manifest, kind, name, folder))
     workers = rx.params.storage.concurrency
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-        sizes = list(pool.map(lambda job: rx.objects.size(job.url), jobs))
-    for job, size in zip(jobs, sizes):
+        sized = list(pool.map(lambda job: _attempt(rx.objects.size, job.url), jobs))
+    errors = [e for _, e in sized if e is not None]
+    known = [(job, size) for job, (size, e) in zip(jobs, sized) if e is None]
+    for job, size in known:
         version_bytes[job.manifest.version] = version_bytes.get(job.manifest.version, 0) + size
     evicted = ensure_capacity(
-        rx.store, sum(sizes) + _materialize_bytes(rx, baseline, indexes, version_bytes),
+        rx.store, sum(s for _, s in known) + _materialize_bytes(rx, baseline, indexes, version_bytes),
         _working_set(rx, baseline, folders), what=f"refit to {plan.target.version}",
     )
-    progress = rx.progress("fetch", sum(sizes))
+    for manifest in indexes.manifests:  # only now, with room made, does the cache change
+        rx.artifacts.open(DELTA if manifest.is_delta else FULL, manifest.version, manifest.uri, manifest.raw)
+    progress = rx.progress("fetch", sum(s for _, s in known))
 
     def fetch(job_size: tuple[_Job, int]) -> int:
         job, size = job_size
@@ -95,9 +100,22 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
         killpoint("fetch.file")
         return got
 
+    # every file that can be fetched is, so that a retry after one bad object reuses all the others
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-        downloaded = sum(pool.map(fetch, zip(jobs, sizes)))
+        fetched = list(pool.map(lambda js: _attempt(fetch, js), known))
+    errors += [e for _, e in fetched if e is not None]
+    if errors:
+        raise errors[0]
+    downloaded = sum(n for n, _ in fetched)
     return Artifacts(folders, len(jobs), reused, reused_bytes, downloaded, tuple(evicted))
+
+
+def _attempt(fn, arg):
+    """(result, None) or (None, error) for one file, so one failure does not waste the others."""
+    try:
+        return fn(arg), None
+    except RefitError as exc:
+        return None, exc
 
 
 def _check_file(job: _Job, path: Path) -> None:

@@ -20,6 +20,7 @@ from storage.objects import normalize_url
 from storage.settings import InstallerSettings, PublishParams, RefitParams
 
 MODEL = "lab/tiny"
+ROOT_DIR = Path(__file__).resolve().parents[1]
 
 
 def tiny_shape() -> ModelShape:
@@ -137,3 +138,35 @@ class Lab:
         assert sorted(got) == sorted(want)
         for name, array in want.items():
             assert got[name].tobytes() == array.tobytes(), name
+
+
+def run_plain(params: RefitParams, installer=None, *, activate: bool = True):
+    """The refit stages called in the flow's order through their tasks' plain functions (``.fn``):
+    measured like the flow, without Prefect, with any installer. Returns the Receiver."""
+    from tasks.activate import activate_task
+    from tasks.apply_deltas import apply_deltas_task
+    from tasks.fetch_buckets import fetch_buckets_task
+    from tasks.fetch_index import fetch_index_task
+    from tasks.install import install_task
+    from tasks.installers import NoEngineInstaller
+    from tasks.receiver import Receiver
+    from tasks.resolve_catalog import resolve_catalog_task
+    from tasks.seed_checkpoint import seed_checkpoint_task
+    from tasks.verify_digest import verify_digest_task
+
+    rx = Receiver(params, installer=installer or NoEngineInstaller())
+    try:
+        with rx.acquire_preparation_lock() as lock:
+            plan = resolve_catalog_task.fn(rx)
+            baseline = seed_checkpoint_task.fn(rx, plan)
+            indexes = fetch_index_task.fn(rx, plan, baseline)
+            artifacts = fetch_buckets_task.fn(rx, plan, baseline, indexes)
+            prepared = apply_deltas_task.fn(rx, plan, baseline, indexes, artifacts)
+            verified = verify_digest_task.fn(rx, plan, prepared)
+            lock.downgrade()
+            receipt = install_task.fn(rx, verified)
+            if activate:
+                activate_task.fn(rx, receipt)
+    finally:
+        rx.release()
+    return rx

@@ -1,0 +1,199 @@
+"""Catalog records, listing, lineage walks and create-only writes (SPEC sections 4 and 6)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from storage.catalog import Catalog, Revision, parse_revision
+from storage.digests import canonical_json
+from storage.errors import CatalogError, ImmutableConflict, InvalidURI, LineageError
+from storage.objects import ObjectStore, normalize_url
+
+D = {k: "sha256:" + k * 64 for k in "abcdef"}
+MODEL = "org/name"
+
+
+def record(version="r1", **over) -> dict:
+    raw = {
+        "schema": "canonical-refit.revision.v1", "model": MODEL, "version": version, "sequence": 1,
+        "payload_format": "xor_delta", "base_version": "r0", "base_digest": D["a"],
+        "target_digest": D["b"], "format_digest": D["c"], "checksum_format": "adler32",
+        "uri": "s3://bucket/revisions/r1/delta.safetensors.index.json", "created_at_unix_ms": 1,
+    }
+    raw.update(over)
+    return raw
+
+
+def initial(version="r0", **over) -> dict:
+    fields = dict(sequence=0, payload_format="metadata_only", base_version=None, base_digest=None,
+                  uri=None, target_digest=D["a"])
+    return record(version, **(fields | over))
+
+
+def test_valid_records_parse_and_unknown_fields_are_ignored():
+    rev = parse_revision(json.dumps(record(extra_field=42)), version="r1", model=MODEL, file="r1.json")
+    assert rev.base_version == "r0" and rev.to_json()["schema"] == "canonical-refit.revision.v1"
+    assert "extra_field" not in rev.to_json()
+    parse_revision(initial(), version="r0", model=MODEL, file="r0.json")
+
+
+@pytest.mark.parametrize("raw, field", [
+    ({k: v for k, v in record().items() if k != "target_digest"}, "target_digest"),
+    (record(schema="canonical-refit.revision.v2"), "schema"),
+    (record(model=""), "model"),
+    (record(sequence=-1), "sequence"),
+    (record(sequence="1"), "sequence"),
+    (record(sequence=True), "sequence"),
+    (record(payload_format="tarball"), "payload_format"),
+    (record(base_version=None), "base_version"),
+    (record(base_digest=None), "base_digest"),
+    (record(uri=None), "uri"),
+    (record(target_digest="sha256:ABC"), "target_digest"),
+    (record(format_digest="md5:" + "0" * 32), "format_digest"),
+    (record(base_digest="sha256:" + "g" * 64), "base_digest"),
+    (record(checksum_format="crc32"), "checksum_format"),
+    (record(created_at_unix_ms=-5), "created_at_unix_ms"),
+    (record(created_at_unix_ms=1.5), "created_at_unix_ms"),
+    (record(base_version="r1"), "base_version"),
+    (record(sequence=0), "sequence"),
+    (record(uri="s3://bucket//x/index.json"), "uri"),
+    (record(uri="s3://bucket/x/index.json?versionId=1"), "uri"),
+    (initial(uri="s3://bucket/r0/index.json"), "uri"),
+    (initial(base_version="r9"), "base_version"),
+    (record(payload_format="full_hf_checkpoint", uri=None, base_version=None, base_digest=None), "uri"),
+    (record(base_version="../etc"), "base_version"),
+])
+def test_each_rule_violation_names_the_revision_and_field(raw, field):
+    with pytest.raises(CatalogError) as info:
+        parse_revision(raw, version=raw.get("version", "r1"), model=MODEL, file="s3://bucket/catalog/r1.json")
+    assert info.value.field == field
+    assert info.value.revision in ("r1", "r0")
+    assert "catalog/r1.json" in str(info.value) and field in str(info.value)
+
+
+def test_record_stored_under_another_version_is_rejected():
+    with pytest.raises(CatalogError, match="stored as r2.json") as info:
+        parse_revision(record(), version="r2", model=MODEL, file="r2.json")
+    assert info.value.field == "version"
+
+
+def test_record_of_another_model_is_rejected():
+    with pytest.raises(CatalogError, match="belongs to model") as info:
+        parse_revision(record(), version="r1", model="org/other", file="r1.json")
+    assert info.value.field == "model"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_bad_json_records_are_rejected(raw):
+    with pytest.raises(CatalogError, match="JSON"):
+        parse_revision(raw, version="r1", model=MODEL, file="r1.json")
+
+
+@pytest.fixture(params=["file", "memory"])
+def catalog(request, tmp_path) -> Catalog:
+    url = str(tmp_path / "catalog") if request.param == "file" else f"memory://cat-{uuid.uuid4().hex}/catalog"
+    return Catalog(ObjectStore(), url, MODEL)
+
+
+def _put(catalog: Catalog, raw: dict) -> None:
+    catalog.store.put_immutable(catalog.record_url(raw["version"]), canonical_json(raw))
+
+
+def test_list_latest_initial_and_lineage(catalog):
+    _put(catalog, initial(format_digest=D["a"]))
+    _put(catalog, record("r1", base_digest=D["a"], target_digest=D["b"], format_digest=D["a"]))
+    _put(catalog, record("r2", sequence=2, base_version="r1", base_digest=D["b"], target_digest=D["c"],
+                         format_digest=D["a"]))
+    assert [r.version for r in catalog.list()] == ["r0", "r1", "r2"]
+    assert catalog.latest().version == "r2" and catalog.initial().version == "r0"
+    rows = catalog.lineage(catalog.read("r2"), local={})
+    assert [r.version for r in rows] == ["r0", "r1", "r2"]
+    assert [r.version for r in catalog.lineage(catalog.read("r2"), local={"r1": D["b"]})] == ["r1", "r2"]
+
+
+def _r0_with_format(catalog):
+    _put(catalog, initial(format_digest=D["a"]))
+
+
+@pytest.mark.parametrize("bad, field, message", [
+    (dict(base_digest=D["f"]), "base_digest", "is not the target_digest"),
+    (dict(base_version="r9"), "base_version", "not in the catalog"),
+    (dict(format_digest=D["e"]), "format_digest", "cannot change the layout"),
+])
+def test_broken_links_fail_before_any_download(catalog, bad, field, message):
+    _r0_with_format(catalog)
+    _put(catalog, record("r1", **({"format_digest": D["a"]} | bad)))
+    with pytest.raises(LineageError, match=message) as info:
+        catalog.lineage(catalog.read("r1"), local={})
+    assert info.value.field == field and info.value.revision == "r1"
+
+
+def test_sequence_going_backwards_is_a_broken_link(catalog):
+    _put(catalog, initial(format_digest=D["a"], sequence=0))
+    _put(catalog, record("r5", sequence=5, format_digest=D["a"], target_digest=D["b"]))
+    _put(catalog, record("r6", sequence=3, base_version="r5", base_digest=D["b"], format_digest=D["a"]))
+    with pytest.raises(LineageError, match="does not increase") as info:
+        catalog.lineage(catalog.read("r6"), local={})
+    assert info.value.field == "sequence"
+
+
+def test_local_checkpoint_with_another_digest_is_not_the_exact_base(catalog):
+    _r0_with_format(catalog)
+    _put(catalog, record("r1", format_digest=D["a"]))
+    with pytest.raises(LineageError, match="not this catalog's revision"):
+        catalog.lineage(catalog.read("r1"), local={"r0": D["f"]})
+
+
+def test_latest_is_ambiguous_when_sequences_tie(catalog):
+    _put(catalog, initial())
+    _put(catalog, record("r1"))
+    _put(catalog, record("x1", base_digest=D["a"]))
+    with pytest.raises(CatalogError, match="ambiguous"):
+        catalog.latest()
+
+
+def test_invalid_version_ids_never_reach_storage(catalog):
+    for bad in ("../r1", "a/b", "", ".hidden", "x" * 200):
+        with pytest.raises(CatalogError):
+            catalog.read(bad)
+
+
+def test_write_is_create_only_and_idempotent(catalog):
+    rev = Revision.model_validate(initial())
+    assert catalog.write(rev) is True
+    assert catalog.write(rev) is False  # identical re-put is a no-op
+    other = Revision.model_validate(initial(target_digest=D["f"]))
+    with pytest.raises(ImmutableConflict, match="r0.json"):
+        catalog.write(other)
+    assert catalog.store.read_bytes(catalog.record_url("r0"), max_size=10_000) == canonical_json(rev.to_json())
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_put_immutable_semantics(tmp_path, scheme):
+    store = ObjectStore()
+    url = (normalize_url(str(tmp_path / "obj.bin")) if scheme == "file"
+           else f"memory://imm-{uuid.uuid4().hex}/obj.bin")
+    assert store.put_immutable(url, b"payload") is True
+    assert store.put_immutable(url, b"payload") is False
+    with pytest.raises(ImmutableConflict, match="obj.bin"):
+        store.put_immutable(url, b"PAYLOAD")
+    assert store.read_bytes(url, max_size=100) == b"payload"
+    local = tmp_path / "src.bin"
+    local.write_bytes(b"x" * 1000)
+    url2 = url.replace("obj.bin", "file.bin")
+    assert store.put_immutable_file(url2, local) is True
+    assert store.put_immutable_file(url2, local) is False
+    local.write_bytes(b"y" * 1000)
+    with pytest.raises(ImmutableConflict):
+        store.put_immutable_file(url2, local)
+
+
+@pytest.mark.parametrize("url", ["s3://bucket//key", "s3://bucket/key?x=1", "s3://bucket/key#frag", "s3:///key",
+                                 "s3://b/key"])
+def test_invalid_s3_uris_are_rejected_with_the_uri(url):
+    with pytest.raises(InvalidURI) as info:
+        normalize_url(url)
+    assert url in str(info.value)
