@@ -12,7 +12,7 @@ from tasks.receiver import Receiver
 log = logging.getLogger("canonical_refit.report")
 
 READY, FAILED, POISONED, SKIPPED = "READY", "FAILED", "POISONED", "SKIPPED"
-_PROGRESS_SPANS = {"seed": (0, 10), "fetch": (10, 50), "verify full": (50, 55), "apply": (55, 90), "verify": (90, 99)}
+_PROGRESS_SPANS = {"seed": (0, 5), "seed verify": (5, 10), "fetch": (10, 50), "apply": (50, 90), "verify": (90, 99)}
 
 
 def artifact_key(kind: str, model: str) -> str:
@@ -83,7 +83,7 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
         lines += ["", "## Failure", "",
                   f"- stage: **{failed_stage}**", f"- error: `{d.get('type')}`: {d.get('message')}",
                   f"- revision: `{d.get('revision')}`", f"- file: `{d.get('file')}`",
-                  f"- tensor: `{d.get('tensor')}`", f"- field: `{d.get('field')}`"]
+                  f"- tensor: `{d.get('tensor')}`"] + ([f"- field: `{d['field']}`"] if d.get("field") else [])
         if result.status == POISONED:
             lines += ["", "**The receiver is poisoned**: the engine may hold partially written weights. "
                       "Installs are refused until `python -m flows.refit recover --catalog ... --model ...` "
@@ -128,7 +128,10 @@ class PrefectReporter:
     def progress(self, label: str, done: int, total: int) -> None:
         if self._progress_id is None:
             return
-        low, high = _PROGRESS_SPANS.get(label.split(" ")[0] if label not in _PROGRESS_SPANS else label, (0, 99))
+        key = label if label in _PROGRESS_SPANS else label.split(" ")[0]
+        if key == "verify" and label != "verify":  # "verify r0": seeding checks the launch snapshot
+            key = "seed verify"
+        low, high = _PROGRESS_SPANS.get(key, (0, 99))
         share = done / total if total else 1.0
         try:
             from prefect.artifacts import update_progress_artifact
@@ -146,7 +149,7 @@ class PrefectReporter:
                                   description=f"refit of {self.model}: {result.status}")
             create_markdown_artifact(key=artifact_key("summary", self.model), markdown=summary_markdown(rx, result),
                                      description=f"refit of {self.model}: {result.status}")
-            if self._progress_id is not None:
-                update_progress_artifact(self._progress_id, progress=100.0)
+            if self._progress_id is not None and result.status in (READY, SKIPPED):
+                update_progress_artifact(self._progress_id, progress=100.0)  # a failed run stays where it stopped
         except Exception as exc:
             log.warning("could not publish the run's artifacts: %s", exc)

@@ -1,0 +1,1 @@
+"""Prefect deployments of the refit and publish flows (``serve.py`` and ``prefect.yaml``)."""

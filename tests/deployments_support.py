@@ -1,0 +1,223 @@
+"""A real ``prefect server`` and the helpers the deployment tests drive it with.
+
+The server runs on 127.0.0.1 with its own ``PREFECT_HOME``; every process the
+tests start gets ``PREFECT_API_URL`` of that server explicitly, and every one
+is stopped by its PID with a bounded wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+from uuid import UUID
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+FINAL_STATE_TYPES = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM, a bounded wait, then SIGKILL to the process group it leads (started with a new session)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # children left in its group (uvicorn, flow-run subprocesses)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except FileNotFoundError:
+        return ""
+
+
+def wait_until(what: str, check: Callable[[], object], timeout_s: float, *, every_s: float = 0.5,
+               diagnostics: Callable[[], str] = lambda: ""):
+    """Poll ``check`` until it returns something truthy; fail with ``diagnostics`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{diagnostics()}")
+        time.sleep(every_s)
+
+
+class PrefectServer:
+    """``prefect server start --host 127.0.0.1`` with its own PREFECT_HOME and SQLite database."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.home = self.root / "server-home"
+        self.log = self.root / "server.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> "PrefectServer":
+        import httpx
+
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = quiet_env(PREFECT_HOME=str(self.home))
+        env.pop("PREFECT_API_URL", None)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=env, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"prefect server exited with {self.proc.returncode}\n{tail(self.log)}")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_until("the Prefect server to be healthy", healthy, timeout_s, diagnostics=lambda: tail(self.log))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc)
+
+    def env(self, home: Path, **extra: str) -> dict[str, str]:
+        """Environment of a client process of this server (its own PREFECT_HOME)."""
+        home.mkdir(parents=True, exist_ok=True)
+        return quiet_env(PREFECT_API_URL=self.url, PREFECT_HOME=str(home), **extra)
+
+    def client(self):
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(self.url)
+
+
+def quiet_env(**extra: str) -> dict[str, str]:
+    """This process's environment without receiver settings, analytics off, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CANONICAL_REFIT_", "AWS_", "PREFECT_"))}
+    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
+               PREFECT_LOGGING_EXTRA_LOGGERS="canonical_refit", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str], *, timeout_s: float = 120.0, cwd: Path = ROOT) -> str:
+    """Run a command to completion; its combined output, or an assertion error that shows it."""
+    done = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"{' '.join(cmd)} exited with {done.returncode}:\n{done.stdout[-4000:]}"
+    return done.stdout
+
+
+def spawn(cmd: list[str], env: dict[str, str], log: Path, *, cwd: Path = ROOT) -> subprocess.Popen:
+    """Start a long-running command in its own session (so it can be stopped with its children)."""
+    with open(log, "wb") as fh:
+        return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def publish(env: dict[str, str], catalog: str, model: str, checkpoint: Path, state_dir: Path, *extra: str) -> dict:
+    """``python -m flows.publish ... --json``: the publication's result."""
+    out = run([PYTHON, "-m", "flows.publish", "--catalog", catalog, "--model", model,
+               "--checkpoint", str(checkpoint), "--state-dir", str(state_dir), "--json", *extra], env)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def emit_published(env: dict[str, str], catalog: str, model: str, *versions: str) -> None:
+    """Announce already-published versions, in order, from one process (the publisher's own emitter)."""
+    code = (
+        "import sys\n"
+        "from flows.publish import emit_published\n"
+        "from storage.catalog import Catalog\n"
+        "from storage.objects import ObjectStore\n"
+        "from storage.settings import ObjectStoreSettings\n"
+        "catalog = Catalog(ObjectStore(ObjectStoreSettings()), sys.argv[1], sys.argv[2])\n"
+        "for version in sys.argv[3:]:\n"
+        "    emit_published(catalog.read(version), catalog)\n"
+    )
+    run([PYTHON, "-c", code, catalog, model, *versions], env)
+
+
+def flip_tensor_byte(bucket: Path, tensor: str) -> None:
+    """Flip one byte in the middle of ``tensor``'s frame in a delta bucket (a safetensors file)."""
+    from storage.safetensors import read_header
+
+    header = read_header(bucket)
+    info = header.tensors[tensor]
+    position = header.data_offset + (info.start + info.end) // 2
+    data = bytearray(bucket.read_bytes())
+    data[position] ^= 0xFF
+    bucket.write_bytes(bytes(data))
+
+
+def refit_runs(client, deployment_id: UUID) -> list:
+    """Flow runs of one deployment, oldest first."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+    return sorted(runs, key=lambda r: r.created)
+
+
+def target_of(run) -> str | None:
+    return (run.parameters.get("params") or {}).get("target")
+
+
+def wait_for_final_run(client, deployment_id: UUID, target: str, timeout_s: float, diagnostics) -> object:
+    """The first run of ``deployment_id`` for ``target`` once it reached a final state."""
+    def final():
+        for run in refit_runs(client, deployment_id):
+            if target_of(run) == target and run.state_type and run.state_type.value in FINAL_STATE_TYPES:
+                return run
+        return None
+
+    return wait_until(f"a final run to {target}", final, timeout_s, every_s=1.0, diagnostics=diagnostics)
+
+
+def artifacts_of(client, flow_run_id: UUID) -> dict[str, object]:
+    """The run's artifacts by key."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    wanted = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+    found = client.read_artifacts(artifact_filter=wanted)
+    return {a.key: a for a in found}
+
+
+def delete_deployments(server: PrefectServer, names: list[str]) -> None:
+    """Delete deployments by name (and with them their triggers), leaving the names free on the server."""
+    from prefect.exceptions import ObjectNotFound
+
+    with server.client() as client:
+        for name in names:
+            try:
+                client.delete_deployment(client.read_deployment_by_name(name).id)
+            except ObjectNotFound:
+                pass

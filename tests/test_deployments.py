@@ -1,0 +1,163 @@
+"""The deployment definitions without a server: what serve.py registers, and that prefect.yaml says the same.
+
+The trigger's matching is checked with Prefect's own server-side matcher and
+the yaml's ``{{ $VAR }}`` placeholders with Prefect's own templating, the two
+steps a server and ``prefect deploy`` apply. ``test_deployments_server.py``
+runs both definitions against a real server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+import yaml
+
+from deployments.serve import EVENT, build_deployments, main, parse_args, resource_id
+from storage.settings import RefitParams
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = "{{ event.payload.version }}"
+FLAGS = ["--catalog", "file:///srv/catalog", "--model", "org/name", "--seed-checkpoint", "/models/launch",
+         "--cache-dir", "/var/cache/refit"]
+CONFIGURED = {"catalog": "file:///srv/catalog", "model": "org/name", "seed_checkpoint": "/models/launch",
+              "cache_dir": "/var/cache/refit"}
+
+
+def as_event(params: dict, version: str) -> dict:
+    """Deployment parameters as the server renders them for an event announcing ``version``."""
+    return {k: (version if v == TEMPLATE else v) for k, v in params.items()}
+
+
+def covers(trigger, event: str, resource: str) -> bool:
+    """Whether Prefect's server-side matcher fires ``trigger`` for this event."""
+    from prefect.server.events.schemas.automations import EventTrigger
+    from prefect.server.events.schemas.events import ReceivedEvent
+    from prefect.types._datetime import now
+
+    fields = {"type", "match", "match_related", "after", "expect", "for_each", "posture", "threshold", "within"}
+    server_trigger = EventTrigger.model_validate(trigger.model_dump(mode="json", include=fields))
+    received = ReceivedEvent(event=event, resource={"prefect.resource.id": resource}, occurred=now("UTC"),
+                             id=uuid4(), payload={"version": resource.rsplit(".", 1)[-1]})
+    return server_trigger.covers(received)
+
+
+def test_serve_builds_three_deployments_from_the_cli_settings():
+    params, settings, _ = parse_args(FLAGS + ["--interval", "600"])
+    latest, on_publish, trainer = build_deployments(params, settings)
+
+    assert [latest.name, on_publish.name, trainer.name] == ["refit-latest", "refit-on-publish", "publish"]
+    assert [latest.flow_name, on_publish.flow_name, trainer.flow_name] == ["refit", "refit", "publish"]
+    assert latest.schedules[0].schedule.interval == timedelta(seconds=600)
+    assert latest.parameters == {"params": {**CONFIGURED, "target": "latest", "only_if_newer": True}}
+    assert not on_publish.schedules and not latest.triggers
+    (trigger,) = on_publish.triggers
+    assert trigger.expect == {EVENT}
+    assert trigger.parameters == {"params": {**CONFIGURED, "target": TEMPLATE, "only_if_newer": True}}
+    rendered = RefitParams.model_validate(as_event(trigger.parameters["params"], "r7"))
+    assert (rendered.target, rendered.only_if_newer, rendered.catalog) == ("r7", True, "file:///srv/catalog")
+    assert rendered.cache_dir == Path("/var/cache/refit")
+
+
+def test_the_trigger_fires_for_the_configured_model_only():
+    params, settings, _ = parse_args(FLAGS)
+    (trigger,) = build_deployments(params, settings)[1].triggers
+
+    assert covers(trigger, EVENT, resource_id("org/name", "r7"))
+    assert covers(trigger, EVENT, resource_id("org/name", "step-100.final"))
+    assert not covers(trigger, EVENT, resource_id("org/name2", "r7"))
+    assert not covers(trigger, EVENT, resource_id("org/other", "r7"))
+    assert not covers(trigger, "canonical-refit.revision.deleted", resource_id("org/name", "r7"))
+
+
+def test_the_environment_fills_in_what_the_flags_do_not_give(monkeypatch):
+    monkeypatch.setenv("CANONICAL_REFIT_CATALOG", "s3://bucket/catalog")
+    monkeypatch.setenv("CANONICAL_REFIT_MODEL", "org/from-env")
+    monkeypatch.setenv("CANONICAL_REFIT_SERVE_INTERVAL_S", "120")
+    monkeypatch.setenv("CANONICAL_REFIT_SERVE_NAME_SUFFIX", "-gpu3")
+    params, settings, _ = parse_args(["--model", "org/flag"])  # a flag beats the environment
+
+    deployments = build_deployments(params, settings)
+    assert [d.name for d in deployments] == ["refit-latest-gpu3", "refit-on-publish-gpu3", "publish-gpu3"]
+    assert deployments[0].schedules[0].schedule.interval == timedelta(seconds=120)
+    assert deployments[0].parameters["params"]["catalog"] == "s3://bucket/catalog"
+    (trigger,) = deployments[1].triggers
+    assert covers(trigger, EVENT, resource_id("org/flag", "r1"))
+    assert not covers(trigger, EVENT, resource_id("org/from-env", "r1"))
+
+
+def test_secrets_stay_in_the_environment(monkeypatch):
+    monkeypatch.setenv("CANONICAL_REFIT_INSTALLER_API_KEY", "not-in-the-database")
+    params, settings, _ = parse_args(FLAGS + ["--installer", "sglang", "--engine-url", "http://127.0.0.1:30000"])
+    latest, on_publish, _ = build_deployments(params, settings)
+
+    stored = json.dumps([latest.parameters, on_publish.triggers[0].parameters])
+    assert "not-in-the-database" not in stored
+    installer = latest.parameters["params"]["installer"]
+    assert installer == {"kind": "sglang", "engine_urls": ["http://127.0.0.1:30000"]}
+    # the flow run's process reads the key from its own environment when it validates its parameters
+    assert RefitParams.model_validate(latest.parameters["params"]).installer.api_key == "not-in-the-database"
+
+
+def test_print_params_gives_the_parameters_of_a_hand_triggered_refit(capsys):
+    assert main(FLAGS + ["--print-params", "--target", "r3"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {"params": {**CONFIGURED, "target": "r3", "only_if_newer": False}}  # a rollback is allowed
+    assert RefitParams.model_validate(printed["params"]).target == "r3"
+
+
+def test_bad_settings_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--catalog", "file:///srv/catalog", "--model", "not a model id"])
+    assert exit_info.value.code == 2
+    assert "model" in capsys.readouterr().err
+
+
+def test_serve_refuses_to_start_without_a_server(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), DO_NOT_TRACK="1")
+    done = subprocess.run([sys.executable, "-m", "deployments.serve", *FLAGS], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "PREFECT_API_URL is not set" in done.stderr
+    assert not (tmp_path / "home" / "prefect.db").exists()  # no private ephemeral server was started
+
+
+def _yaml_config() -> dict:
+    """deployments/prefect.yaml with ``{{ $VAR }}`` filled in from the environment, as ``prefect deploy`` does."""
+    from prefect.utilities.templating import apply_values
+
+    raw = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    return {d["name"]: apply_values(d, dict(os.environ), remove_notset=False) for d in raw["deployments"]}
+
+
+def test_prefect_yaml_defines_what_serve_defines(monkeypatch):
+    monkeypatch.setenv("CANONICAL_REFIT_CATALOG", "file:///srv/catalog")
+    monkeypatch.setenv("CANONICAL_REFIT_MODEL", "org/name")
+    config = _yaml_config()
+    params, settings, _ = parse_args(["--catalog", "file:///srv/catalog", "--model", "org/name"])
+    latest, on_publish, trainer = build_deployments(params, settings)
+
+    assert list(config) == [latest.name, on_publish.name, trainer.name]
+    for served in (latest, on_publish, trainer):
+        path, name = config[served.name]["entrypoint"].split(":")
+        assert (ROOT / path).is_file()
+        module = __import__(path.removesuffix(".py").replace("/", "."), fromlist=[name])
+        assert getattr(module, name).name == served.flow_name
+    assert config["refit-latest"]["parameters"] == latest.parameters
+    assert config["refit-latest"]["schedules"] == [{"interval": settings.interval_s}]
+    assert config["refit-on-publish"]["parameters"] == on_publish.parameters
+    (spec,) = config["refit-on-publish"]["triggers"]
+    (trigger,) = on_publish.triggers
+    assert (spec["name"], set(spec["expect"])) == (trigger.name, trigger.expect)
+    assert spec["match"] == trigger.match.model_dump() == {"prefect.resource.id": resource_id("org/name", "*")}
+    assert spec["parameters"] == trigger.parameters  # the event template is left for the server
+    assert spec["enabled"] is True
+    queues = {name: d["work_pool"]["work_queue_name"] for name, d in config.items()}
+    assert queues == {"refit-latest": "refit", "refit-on-publish": "refit", "publish": "publish"}
