@@ -31,6 +31,12 @@ class Checksum(Protocol):
     def hexdigest(self) -> str: ...
 
 
+try:  # ISA-L's SIMD adler32: same values as zlib's, about 5x faster
+    from isal.isal_zlib import adler32 as _adler32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib is the reference
+    _adler32 = zlib.adler32
+
+
 class _Adler32:
     __slots__ = ("value",)
 
@@ -38,7 +44,7 @@ class _Adler32:
         self.value = 1
 
     def update(self, data) -> None:
-        self.value = zlib.adler32(data, self.value)
+        self.value = _adler32(data, self.value)
 
     def hexdigest(self) -> str:
         return f"{self.value & 0xFFFFFFFF:08x}"

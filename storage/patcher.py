@@ -31,6 +31,24 @@ from storage.safetensors import read_header
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20
+PAGE = mmap.PAGESIZE
+MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+: fault a range in with one call
+
+
+def _populate(m: mmap.mmap, start: int, length: int, advice: int) -> None:
+    """Pre-fault ``[start, start+length)`` of ``m``: one madvise instead of a page fault per 4 KiB.
+
+    Writing through a fresh shared mapping otherwise costs a fault per page,
+    which made in-place XOR run at under 2 GB/s; where the kernel lacks the
+    advice, faults simply happen on first touch as before.
+    """
+    if length <= 0 or not hasattr(m, "madvise"):
+        return
+    aligned = start - start % PAGE
+    try:
+        m.madvise(advice, aligned, min(len(m) - aligned, length + start - aligned))
+    except (OSError, ValueError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -156,10 +174,14 @@ class _Maps:
             self.buckets[path] = m
 
     def frame(self, step: PatchStep) -> memoryview:
-        return memoryview(self.buckets[step.bucket])[step.start : step.end]
+        m = self.buckets[step.bucket]
+        _populate(m, step.start, step.end - step.start, MADV_POPULATE_READ)
+        return memoryview(m)[step.start : step.end]
 
     def tensor(self, location: TensorLocation) -> np.ndarray:
-        return self.shards[location.file][1][location.offset : location.offset + location.nbytes]
+        m, array = self.shards[location.file]
+        _populate(m, location.offset, location.nbytes, MADV_POPULATE_WRITE)
+        return array[location.offset : location.offset + location.nbytes]
 
     def close(self, flush: bool) -> None:
         for m, _array in self.shards.values():
