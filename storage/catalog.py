@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from storage.digests import CHECKSUM_FORMATS, DIGEST_PATTERN, canonical_json
 from storage.durable import atomic_write_json, read_json_file
-from storage.errors import CatalogError, InvalidURI, LineageError, ObjectNotFound
+from storage.errors import CatalogError, InvalidURI, LineageError, ObjectNotFound, RefitError
 from storage.objects import ObjectStore, join_url, normalize_url
 from storage.settings import VERSION_PATTERN
 
@@ -147,7 +147,10 @@ class Catalog:
         url = self.record_url(version)
         record = self._read_cached(version, url)
         if record is None:
-            raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
+            try:
+                raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
+            except RefitError as exc:  # e.g. an oversized record: name the revision too
+                raise exc.with_context(revision=version)
             record = parse_revision(raw, version=version, model=self.model, file=url)
             self._write_cached(version, url, record)
         self._records[version] = record

@@ -137,6 +137,9 @@ def inspect_frame(frame, **context) -> FrameInfo:
     if pos != size:
         raise CodecError(f"{size - pos} bytes of trailing data after the zstd frame", **context)
     if content_size is not None:
+        if min_out > content_size:  # raw/RLE blocks alone outgrow what the header declares
+            raise CodecError(f"zstd frame declares {content_size} decoded bytes but its blocks decode to at "
+                             f"least {min_out}", **context)
         min_out = max_out = content_size
     return FrameInfo(content_size, min_out, max_out)
 

@@ -26,12 +26,15 @@ POINTS = (
     "seed.copied",        # launch snapshot copied, not yet verified
     "fetch.file",         # one artifact file downloaded and recorded
     "state.updating",     # UPDATING written, nothing changed yet
+    "apply.base_released",  # base's verified record forgotten, folder not yet renamed
     "apply.materialized", # base taken over or copied, before patching
     "apply.block",        # in the middle of patching tensors
     "verify.before_ready",  # digest verified, READY not yet written
+    "verify.recorded",    # verified record and chain written, READY not yet written
     "install.before",     # inside the fence, engine not yet called
     "install.after",      # engine loaded, active.json not yet written
     "activate.written",   # active.json written
+    "recover.discarded",  # recovery removed a half-written checkpoint, state not yet repointed
 )
 
 

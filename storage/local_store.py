@@ -21,6 +21,7 @@ One folder per model, laid out so a person can inspect it with ``ls`` and
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -156,7 +157,11 @@ class LocalStore:
         return StoreState(**raw) if isinstance(raw, dict) else None
 
     def write_state(self, state: StoreState) -> None:
-        atomic_write_json(self.state_path, asdict(state) | {"updated_at_unix_ms": now_ms()})
+        try:
+            atomic_write_json(self.state_path, asdict(state) | {"updated_at_unix_ms": now_ms()})
+        except OSError as exc:  # e.g. ENOSPC: the old state.json is still in place (atomic replace)
+            raise StoreError(f"could not write the store state ({exc})", revision=state.version,
+                             file=str(self.state_path)) from exc
 
     def mark_updating(self, version: str, source: Path, previous: str | None) -> None:
         """Durably record that ``source`` is about to change (before its first byte does)."""
@@ -262,6 +267,9 @@ class LocalStore:
         actions: list[str] = []
         remove_tree(self.tmp_dir)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        swept = self._sweep_temp_files()
+        if swept:
+            actions.append(f"removed {swept} temporary file(s) left by an interrupted write or download")
         state = self.state()
         if state is not None and state.status == UPDATING:
             if state.source:
@@ -269,6 +277,7 @@ class LocalStore:
                 if state.version:
                     self.forget_verified(state.version)
             actions.append(f"discarded the half-written checkpoint of {state.version} ({state.source})")
+            killpoint("recover.discarded")
         for path in sorted((self.root / "verified").glob("*.json")):
             raw = read_json_file(path)
             record = self.verified(path.stem)
@@ -283,6 +292,18 @@ class LocalStore:
                 actions.append(f"removed {rel}: no verified record vouches for it")
         self._repoint_state(state)
         return actions
+
+    def _sweep_temp_files(self) -> int:
+        """Remove ``.{name}.{id}.tmp`` / ``.part`` files that a killed writer left (exclusive lock held)."""
+        folders = [self.root] + [self.root / sub for sub in ("full", "deltas", "verified", "chains", "catalog")]
+        folders += [p for sub in ("full", "deltas") for p in (self.root / sub).iterdir() if p.is_dir()]
+        count = 0
+        for folder in folders:
+            for entry in os.scandir(folder):
+                if entry.name.startswith(".") and entry.name.endswith((".tmp", ".part")) and entry.is_file():
+                    os.unlink(entry.path)
+                    count += 1
+        return count
 
     def _repoint_state(self, before: StoreState | None) -> None:
         inventory = self.inventory()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -21,7 +21,9 @@ from storage.catalog import Revision, parse_revision
 from storage.checkpoint import CheckpointIndex, require_same_layout
 from storage.digests import snapshot_digest
 from storage.durable import copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
-from storage.errors import CatalogError, ChecksumMismatch, CheckpointMismatch, FormatError, RefitError
+from storage.errors import (
+    CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
+)
 from storage.killpoints import killpoint
 from storage.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
 from storage.manifests import Manifest, parse_delta_manifest
@@ -86,6 +88,7 @@ def materialize(
         copied = 0
         if takeover:
             store.forget_verified(base.version)
+            killpoint("apply.base_released")
             os.rename(base_path, target_dir)
             fsync_dir(target_dir.parent)
         else:
@@ -103,8 +106,8 @@ def materialize(
         exc.mutation_started = True
         raise
     except OSError as exc:
-        raise FormatError(f"local I/O failed while materializing: {exc}", revision=target.version,
-                          file=str(target_dir), mutation_started=True) from exc
+        raise StoreError(f"local I/O failed while materializing: {exc}", revision=target.version,
+                         file=str(target_dir), mutation_started=True) from exc
     return Materialized(target.version, target_dir, base, patched, chain, copied,
                         sum(p.location.nbytes for p in plans))
 
@@ -160,8 +163,12 @@ def verify_target(
         format_digest=layout_digest, target_digest=digest, checksums=checksums,
         files=folder_identity(path), verified_at_unix_ms=now_ms(),
     )
-    store.record_verified(record)
-    store.write_chain(chain)
+    try:
+        store.record_verified(record)
+        store.write_chain(chain)
+    except OSError as exc:  # e.g. ENOSPC: typed, so the caller restores the previous checkpoint
+        raise StoreError(f"could not record the verified checkpoint ({exc})", **context) from exc
+    killpoint("verify.recorded")
     store.mark_ready(record)
     return record
 
@@ -226,6 +233,10 @@ def restore_previous(store: LocalStore, previous: str | None, *, workers: int) -
         return f"could not rebuild {previous} from the cache ({exc}); the next run rebuilds it from the catalog"
     if record is None:
         return f"{previous} is not rebuildable from the cache; the next run rebuilds it from the catalog"
+    active = store.active()
+    if active is not None and (active.version, active.digest) == (record.version, record.target_digest):
+        # the engine still runs these bytes; the installed identity must name the files that now hold them
+        store.write_active(replace(active, path=record.path, files=record.files))
     return f"rebuilt {previous} from its lineage in the cache; store is READY at {previous}"
 
 

@@ -11,11 +11,15 @@ from tasks.stage import stage_task
 
 
 def activate(rx: Receiver, receipt: InstallReceipt) -> ActiveIdentity:
-    """Record what the engine now runs and clear a poisoned mark; a no-op for a skipped install."""
+    """Record what the engine now runs and clear a poisoned mark; a no-op for a skipped install.
+
+    A skipped install keeps ``active.json`` only if it still names these very
+    files: after a crash the same version may have been rebuilt into new files.
+    """
     record = receipt.target.checkpoint
     if receipt.skipped:
         active = rx.store.active()
-        if active is not None:
+        if active is not None and (active.path, active.files) == (record.path, record.files):
             return active
     return record_active(rx.store, record.version, receipt.installer)
 

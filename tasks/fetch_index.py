@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storage.checkpoint import CheckpointIndex
+from storage.errors import RefitError
 from storage.manifests import MAX_INDEX_BYTES, Manifest, parse_manifest, require_known_tensors
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
@@ -46,7 +47,10 @@ def fetch_index(rx: Receiver, plan: ReplayPlan, baseline: Baseline) -> Indexes:
         layout = CheckpointIndex.open(rx.store.absolute(baseline.checkpoint.path)).layout()
     manifests, total = [], 0
     for revision in revisions:
-        raw = rx.objects.read_bytes(revision.uri, max_size=MAX_INDEX_BYTES)
+        try:
+            raw = rx.objects.read_bytes(revision.uri, max_size=MAX_INDEX_BYTES)
+        except RefitError as exc:  # e.g. an oversized index: name the revision too
+            raise exc.with_context(revision=revision.version)
         total += len(raw)
         manifest = parse_manifest(raw, revision)
         if manifest.is_delta and layout is not None:

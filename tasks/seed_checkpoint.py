@@ -88,9 +88,14 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
     staging = rx.store.tmp_dir / f"seed-{initial.version}"
     remove_tree(staging)
     progress = rx.progress(f"seed {initial.version}", tree_size(seed_path))
-    copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress)
-    staging.rename(folder)
-    fsync_dir(folder.parent)
+    try:
+        copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress)
+        staging.rename(folder)
+        fsync_dir(folder.parent)
+    except OSError as exc:  # e.g. ENOSPC: drop the partial copy, point the state back at what is verified
+        rx.store.recover()
+        raise StoreError(f"could not copy the launch snapshot into the store ({exc})", revision=initial.version,
+                         file=str(folder)) from exc
     killpoint("seed.copied")
     index = CheckpointIndex.open(folder, revision=initial.version)
     checksums = index.checksums(initial.checksum_format, workers=rx.params.apply_workers,

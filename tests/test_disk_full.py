@@ -1,0 +1,182 @@
+"""ENOSPC during seeding, fetching and applying: a clean typed failure, nothing verified lost, then success.
+
+The cache lives on a small tmpfs mounted for the test (the tests run as root,
+as CI does); a ballast file takes the free space away and deleting it gives
+it back. Failures the disk cannot be steered into (a full disk exactly when
+``state.json`` or a verified record is written) are injected into the one
+write primitive every state file goes through.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import adversarial_support as av
+import crash_support as cs
+import crash_trials as ct
+from storage import durable
+from storage.durable import tree_size
+from storage.errors import StoreError
+from storage.settings import RefitParams
+
+DISK_BYTES = 8 * 2**20
+
+
+@pytest.fixture(scope="module")
+def world(prefect_api, tmp_path_factory):
+    from lab import Lab, tiny_shape
+
+    lab = Lab(tmp_path_factory.mktemp("diskfull"), shape=tiny_shape())
+    lab.publish("initial")
+    lab.publish("delta")
+    lab.publish("delta")
+    return ct.World(lab.root, lab)
+
+
+class SmallDisk:
+    """A tmpfs of ``DISK_BYTES``; ``fill(free)`` leaves ``free`` bytes, ``release()`` gives them back."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.ballast = path / "ballast"
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0755", "tmpfs", str(path)],
+                       check=True, timeout=30)
+
+    def free(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+    def fill(self, free: int) -> None:
+        with open(self.ballast, "ab") as fh:
+            fh.write(b"\xff" * max(0, self.free() - free))
+
+    def release(self) -> None:
+        self.ballast.unlink(missing_ok=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", str(self.path)], check=True, timeout=30)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    small = SmallDisk(tmp_path / "disk")
+    yield small
+    small.unmount()
+
+
+def refit(world, cache: Path, target: str):
+    params = RefitParams(catalog=world.catalog, model=world.lab.model, seed_checkpoint=str(world.lab.launch),
+                         cache_dir=cache, target=target, apply_workers=2, lock_timeout_s=30)
+    try:
+        cs.refit_plain(params, cs.RecordingEngine(cache / "engine.json"))
+    except StoreError as exc:
+        return exc
+    return None
+
+
+def store_of(world, cache: Path) -> Path:
+    return cache / world.lab.model.replace("/", "--")
+
+
+def assert_failed_cleanly(world, cache: Path, error, *, revision: str, kept: str | None, before: dict) -> None:
+    """A StoreError caused by ENOSPC; ``kept`` still READY, verified, installed; tmp/ empty."""
+    assert isinstance(error, StoreError), error
+    assert "No space left" in str(error) or "no space left" in str(error), error
+    assert error.file, error
+    if revision is not None:
+        assert error.revision == revision, error
+    store = store_of(world, cache)
+    assert av.protected(store) == before  # checkpoints, verified records, active.json, state: unchanged
+    assert list((store / "tmp").iterdir()) == []
+    if kept is not None:
+        assert cs.check_after_crash(world, cache) == []
+        assert cs.check_recovered(world, cache, kept) == []
+
+
+def test_enospc_while_seeding(world, disk):
+    disk.fill(free=tree_size(world.lab.launch) // 2)
+    error = refit(world, disk.path, "r1")
+    assert isinstance(error, StoreError) and "No space left" in str(error), error
+    assert (error.revision, error.file) == ("r0", str(store_of(world, disk.path) / "full" / "r0"))
+    store = store_of(world, disk.path)
+    state = json.loads((store / "state.json").read_text())
+    assert (state["status"], state["version"]) == ("READY", None)  # not left UPDATING
+    assert not (store / "full" / "r0").exists() and list((store / "tmp").iterdir()) == []  # partial copy gone
+    assert list((store / "verified").iterdir()) == [] and not (store / "active.json").exists()
+    disk.release()
+    assert refit(world, disk.path, "r1") is None
+    assert cs.check_recovered(world, disk.path, "r1") == []
+
+
+def test_enospc_while_fetching_keeps_the_installed_version(world, disk):
+    assert refit(world, disk.path, "r1") is None
+    before = av.protected(store_of(world, disk.path))
+    disk.fill(free=16 * 1024)  # less than r2's bucket
+    error = refit(world, disk.path, "r2")
+    assert_failed_cleanly(world, disk.path, error, revision=None, kept="r1", before=before)
+    disk.release()
+    assert refit(world, disk.path, "r2") is None
+    assert cs.check_recovered(world, disk.path, "r2") == []
+
+
+def test_enospc_while_materializing_keeps_the_installed_version(world, disk):
+    assert refit(world, disk.path, "r0") is None  # launch snapshot only: the next delta copies it
+    before = av.protected(store_of(world, disk.path))
+    delta = tree_size(world.lab.catalog_dir.parent / "revisions" / "r1")
+    disk.fill(free=delta + 64 * 1024)  # room to download r1, not to copy the checkpoint
+    error = refit(world, disk.path, "r1")
+    assert_failed_cleanly(world, disk.path, error, revision="r1", kept="r0", before=before)
+    assert error.mutation_started
+    disk.release()
+    assert refit(world, disk.path, "r1") is None
+    assert cs.check_recovered(world, disk.path, "r1") == []
+
+
+def _full_when(predicate):
+    """An ``atomic_write_bytes`` that raises ENOSPC for the writes ``predicate(path, data)`` picks."""
+    real = durable.atomic_write_bytes
+
+    def write(path, data, *, durable=True):
+        if predicate(Path(path), data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, data, durable=durable)
+
+    return write
+
+
+def test_enospc_marking_updating_changes_nothing(world, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    assert refit(world, cache, "r1") is None
+    before = av.protected(store_of(world, cache))
+    monkeypatch.setattr(durable, "atomic_write_bytes",
+                        _full_when(lambda p, d: p.name == "state.json" and b'"UPDATING"' in d))
+    error = refit(world, cache, "r2")
+    assert_failed_cleanly(world, cache, error, revision="r2", kept="r1", before=before)
+    monkeypatch.undo()
+    assert refit(world, cache, "r2") is None
+    assert cs.check_recovered(world, cache, "r2") == []
+
+
+def test_enospc_recording_the_verified_target_restores_the_installed_version(world, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    assert refit(world, cache, "r1") is None
+    before = av.protected(store_of(world, cache))
+    monkeypatch.setattr(durable, "atomic_write_bytes",
+                        _full_when(lambda p, d: p.parent.name == "verified" and p.name == "r2.json"))
+    error = refit(world, cache, "r2")  # r1 was taken over and patched into r2 before this write
+    assert isinstance(error, StoreError) and error.mutation_started, error
+    assert error.revision == "r2", error
+    monkeypatch.undo()
+    store = store_of(world, cache)
+    content = {k: v for k, v in av.protected(store).items() if k.startswith("materialized/")}
+    assert content == {k: v for k, v in before.items() if k.startswith("materialized/")}  # r1 rebuilt, same bytes
+    assert cs.check_recovered(world, cache, "r1") == []  # READY, installed identity names the rebuilt files
+    assert refit(world, cache, "r2") is None
+    assert cs.check_recovered(world, cache, "r2") == []
