@@ -19,6 +19,7 @@ from prefect.states import Completed, Failed, State  # noqa: E402
 
 from flows.report import FAILED, POISONED, READY, SKIPPED, PrefectReporter, build_result  # noqa: E402
 from storage.errors import RefitError  # noqa: E402
+from storage.pipeline import Arrivals  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
 from tasks.activate import activate_task  # noqa: E402
 from tasks.apply_deltas import apply_deltas_task  # noqa: E402
@@ -46,8 +47,10 @@ def refit(params: RefitParams) -> State:
                 return finish(rx, reporter, SKIPPED)
             baseline = seed_checkpoint_task(rx, plan)
             indexes = fetch_index_task(rx, plan, baseline)
-            artifacts = fetch_buckets_task(rx, plan, baseline, indexes)
-            prepared = apply_deltas_task(rx, plan, baseline, indexes, artifacts)
+            arrivals = Arrivals()  # fetch and apply overlap: a bucket is applied once it has arrived
+            fetching = fetch_buckets_task.submit(rx, plan, baseline, indexes, arrivals)
+            prepared = apply_deltas_task(rx, plan, baseline, indexes, arrivals)
+            fetching.result()
             verified = verify_digest_task(rx, plan, prepared)
             lock.downgrade()  # the installation fence: shared from validation to activation
             receipt = install_task(rx, verified)

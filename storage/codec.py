@@ -308,7 +308,8 @@ class SparseOverwrite:
 
     Positions need not be sorted, so the record (at most 5 bytes per tensor
     byte) is decoded whole, validated, and then sorted stably so that later
-    entries for the same position win, as in record order.
+    entries for the same position win, as in record order. The bytes it
+    replaces are kept (one byte per entry), so ``undo`` can put them back.
     """
 
     def __init__(self, frame, nbytes: int, **context):
@@ -330,12 +331,21 @@ class SparseOverwrite:
         self._positions = positions[order].astype(np.int64)
         self._values = values[order]
         self._next = 0
+        self._replaced: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def apply(self, block: np.ndarray, offset: int) -> None:
         end = self._next + int(np.searchsorted(self._positions[self._next:], offset + block.size))
         if end > self._next:
-            block[self._positions[self._next:end] - offset] = self._values[self._next:end]
+            index = self._positions[self._next:end] - offset
+            self._replaced[offset] = (index, block[index].copy())
+            block[index] = self._values[self._next:end]
             self._next = end
+
+    def undo(self, block: np.ndarray, offset: int) -> None:
+        """Put back the bytes ``apply`` replaced in the block at ``offset``."""
+        saved = self._replaced.pop(offset, None)
+        if saved is not None:
+            block[saved[0]] = saved[1]
 
     def finish(self) -> None:
         pass

@@ -27,7 +27,7 @@ from storage.errors import (
 from storage.killpoints import killpoint
 from storage.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
 from storage.manifests import Manifest, parse_delta_manifest
-from storage.patcher import apply_patches, plan_patches
+from storage.patcher import PlanSource, StaticPlans, apply_patches, plan_patches
 
 log = logging.getLogger("canonical_refit.reconstruct")
 
@@ -62,20 +62,27 @@ def materialize(
     folders: Mapping[str, Path],
     *,
     workers: int,
+    source: PlanSource | None = None,
     progress: Callable[[int], Callable[[int], None]] | None = None,
     on_updating: Callable[[], None] | None = None,
 ) -> Materialized:
     """Apply ``deltas`` (oldest first) to ``base``, producing ``materialized/{target}``.
 
-    Everything is validated before the store goes ``UPDATING``. A sequential
-    delta takes the base's materialized folder over by rename; the first delta
-    after a full checkpoint copies it once. Errors raised after ``UPDATING``
-    carry ``mutation_started``; the caller restores with ``restore_previous``.
+    A sequential delta takes the base's materialized folder over by rename; the
+    first delta after a full checkpoint copies it once. ``source`` hands out
+    tensor plans (default: every bucket validated up front, before the store
+    goes ``UPDATING``; ``ArrivingPlans`` validates buckets as they arrive).
+    If patching fails, a taken-over base is put back in place (the patched
+    bytes undone and re-verified against its checksums) and a copy is simply
+    dropped; the error then has ``restored = True``. Otherwise the caller
+    restores with ``restore_previous``. Either way it carries ``mutation_started``.
     ``progress(total)`` returns a callback fed with the bytes patched.
     """
     base_path = store.absolute(base.path)
     base_index = CheckpointIndex.open(base_path, revision=base.version)
-    plans = plan_patches(deltas, folders, base_index.tensors)
+    if source is None:
+        source = StaticPlans(plan_patches(deltas, folders, base_index.tensors))
+    source.prepare()
     chain = chain_after(store, base, [m.version for m in deltas], target.version)
     target_dir = store.materialized_dir(target.version)
     state = store.state()
@@ -99,17 +106,45 @@ def materialize(
             fsync_dir(target_dir.parent)
         killpoint("apply.materialized")
         index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
-        total = sum(p.location.nbytes * len(p.steps) for p in plans)
-        patched = apply_patches(index, plans, target_checksum_format=target.checksum_format,
-                                workers=workers, progress=progress(total) if progress else None)
+        patched = apply_patches(index, source, target_checksum_format=target.checksum_format, workers=workers,
+                                progress=progress(source.total_bytes()) if progress else None,
+                                undo_to=base.checksums if takeover else None, undo_format=base.checksum_format)
     except RefitError as exc:
         exc.mutation_started = True
+        _put_base_back(store, base, target_dir, takeover, exc)
         raise
     except OSError as exc:
         raise StoreError(f"local I/O failed while materializing: {exc}", revision=target.version,
                          file=str(target_dir), mutation_started=True) from exc
     return Materialized(target.version, target_dir, base, patched, chain, copied,
-                        sum(p.location.nbytes for p in plans))
+                        sum(base_index.tensors[n].nbytes for n in patched))
+
+
+def _put_base_back(store: LocalStore, base: VerifiedCheckpoint, target_dir: Path, takeover: bool,
+                   error: RefitError) -> None:
+    """After a failed patch: a copy is dropped; an undone takeover is renamed back and re-recorded."""
+    if takeover and not getattr(error, "undone", False):
+        return  # bytes could not be proven back: restore_previous rebuilds the base instead
+    try:
+        if takeover:
+            base_path = store.absolute(base.path)
+            os.rename(target_dir, base_path)
+            fsync_dir(base_path.parent)
+            restored = replace(base, files=folder_identity(base_path), verified_at_unix_ms=now_ms())
+            store.record_verified(restored)
+            _repoint_active(store, restored)
+        store.recover()  # drops a half-patched copy (the immutable base was never touched); READY again
+    except OSError as exc:
+        log.error("could not put %s back after a failed apply: %s", base.version, exc)
+        return
+    error.restored = True  # bytes did change (mutation_started stays True), and are back
+
+
+def _repoint_active(store: LocalStore, record: VerifiedCheckpoint) -> None:
+    """If the engine runs ``record``'s bytes, the installed identity must name the files now holding them."""
+    active = store.active()
+    if active is not None and (active.version, active.digest) == (record.version, record.target_digest):
+        store.write_active(replace(active, path=record.path, files=record.files))
 
 
 def verify_target(
@@ -233,10 +268,7 @@ def restore_previous(store: LocalStore, previous: str | None, *, workers: int) -
         return f"could not rebuild {previous} from the cache ({exc}); the next run rebuilds it from the catalog"
     if record is None:
         return f"{previous} is not rebuildable from the cache; the next run rebuilds it from the catalog"
-    active = store.active()
-    if active is not None and (active.version, active.digest) == (record.version, record.target_digest):
-        # the engine still runs these bytes; the installed identity must name the files that now hold them
-        store.write_active(replace(active, path=record.path, files=record.files))
+    _repoint_active(store, record)
     return f"rebuilt {previous} from its lineage in the cache; store is READY at {previous}"
 
 

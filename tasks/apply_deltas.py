@@ -6,11 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from storage.artifacts import DELTA, FULL
 from storage.checkpoint import CheckpointIndex
 from storage.errors import RefitError
 from storage.local_store import Chain, VerifiedCheckpoint
+from storage.manifests import require_known_tensors
+from storage.pipeline import Arrivals, ArrivingPlans
 from storage.reconstruct import materialize, restore_previous, verify_full_artifact
-from tasks.fetch_buckets import Artifacts
 from tasks.fetch_index import Indexes
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
@@ -41,33 +43,44 @@ class Prepared:
 
 
 def apply_deltas(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: Indexes,
-                 artifacts: Artifacts) -> Prepared:
-    """Reconstruct the target: verify a fetched full root, then patch the deltas into a checkpoint.
+                 arrivals: Arrivals) -> Prepared:
+    """Reconstruct the target while its buckets arrive: verify a full root, then patch the deltas in.
 
-    After a failure with bytes already changed, the last verified checkpoint
-    is restored (rebuilt from the cache if it was taken over) before the
-    error propagates, so the store is never left holding unverified bytes.
+    Nothing changes before the fetch stage has made room (``arrivals``). Each
+    tensor is patched as soon as the buckets it needs are in and validated. If
+    anything fails once the store is ``UPDATING``, the base is put back (the
+    patched bytes undone and re-verified, or the copy dropped), or failing
+    that rebuilt from the cache, before the error propagates: the store is
+    never left holding unverified bytes.
     """
     state = rx.store.state()
     previous = state.version if state else None
     base = baseline.checkpoint
+    arrivals.wait_admitted()
+    folders = {m.version: rx.artifacts.folder(DELTA if m.is_delta else FULL, m.version) for m in indexes.manifests}
     if indexes.full is not None:
-        base = verify_full_artifact(
-            rx.store, indexes.full, artifacts.folders[indexes.full.version], reference=_reference_layout(rx),
-            workers=rx.params.apply_workers,
-        )
+        for name in indexes.full.files:
+            arrivals.wait(indexes.full.version, name)
+        base = verify_full_artifact(rx.store, indexes.full, folders[indexes.full.version],
+                                    reference=_reference_layout(rx), workers=rx.params.apply_workers)
         rx.ledger.note(f"verified full revision {base.version}")
     if not indexes.deltas:
         return Prepared(base.version, rx.store.absolute(base.path), base, {}, Chain(base.version, base.version),
                         mutated=False, previous=previous)
+    layout = CheckpointIndex.open(rx.store.absolute(base.path), revision=base.version).tensors
+    for manifest in indexes.deltas:  # already checked against a local base; a full root is known only now
+        require_known_tensors(manifest, layout)
     try:
         done = materialize(
-            rx.store, base, plan.target, indexes.deltas, artifacts.folders, workers=rx.params.apply_workers,
+            rx.store, base, plan.target, indexes.deltas, folders, workers=rx.params.apply_workers,
+            source=ArrivingPlans(indexes.deltas, folders, layout, arrivals),
             progress=lambda total: rx.progress("apply", total), on_updating=lambda: rx.ledger.note(
                 f"store UPDATING: materializing {plan.target.version} from {base.version}"),
         )
     except RefitError as exc:
-        if exc.mutation_started:
+        if getattr(exc, "restored", False):
+            rx.ledger.note(f"apply failed; {base.version} was put back in place and re-verified")
+        elif exc.mutation_started:
             outcome = restore_previous(rx.store, previous, workers=rx.params.apply_workers)
             rx.ledger.note(f"apply failed after mutation; {outcome}")
         raise

@@ -11,9 +11,11 @@ from storage.durable import tree_size
 from storage.errors import ManifestError, RefitError
 from storage.killpoints import killpoint
 from storage.manifests import Manifest
+from storage.pipeline import Arrivals
 from storage.quota import ensure_capacity
 from storage.safetensors import read_header
 from tasks.receiver import Receiver
+from tasks.fetch_index import Indexes
 from tasks.resolve_catalog import ReplayPlan
 from tasks.seed_checkpoint import Baseline
 from tasks.stage import stage_task
@@ -49,14 +51,31 @@ class _Job:
         return self.manifest.file_url(self.name)
 
 
-def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -> Artifacts:
+def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: Indexes,
+                  arrivals: Arrivals | None = None) -> Artifacts:
     """Fetch every file of ``indexes`` not already complete in the cache, size- and header-checked.
 
-    The quota is checked (and room made) before the first byte is downloaded;
-    downloads finish before the store changes, so a network failure leaves the
-    current checkpoint as it was and a retry reuses every complete file.
+    The quota is checked (and room made) before the first byte is downloaded,
+    and only then may the apply stage change the store (``arrivals.admit``).
+    Each file is announced on ``arrivals`` as soon as it is in the cache, so
+    the apply stage can patch it while later files are still downloading.
+    Every file that can be fetched is, so a retry after one bad object reuses
+    all the others.
     """
-    folders, jobs, reused, reused_bytes = {}, [], 0, 0
+    arrivals = arrivals or Arrivals()
+    objects = rx.objects  # worker threads count into this stage
+    try:
+        return _fetch(rx, objects, plan, baseline, indexes, arrivals)
+    except BaseException as exc:
+        arrivals.abort(exc)
+        raise
+    finally:
+        arrivals.close()
+
+
+def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes: Indexes,
+           arrivals: Arrivals) -> Artifacts:
+    folders, jobs, reused, reused_files = {}, [], 0, []
     version_bytes: dict[str, int] = {}
     for manifest in indexes.manifests:
         kind = DELTA if manifest.is_delta else FULL
@@ -66,14 +85,14 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
         for name in manifest.files:
             if cached and rx.artifacts.complete(kind, manifest.version, name):
                 size = (folder / name).stat().st_size
-                reused += 1
-                reused_bytes += size
+                reused += size
+                reused_files.append((manifest.version, name))
                 version_bytes[manifest.version] = version_bytes.get(manifest.version, 0) + size
             else:
                 jobs.append(_Job(manifest, kind, name, folder))
     workers = rx.params.storage.concurrency
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-        sized = list(pool.map(lambda job: _attempt(rx.objects.size, job.url), jobs))
+        sized = list(pool.map(lambda job: _attempt(job, objects.size, job.url), jobs))
     errors = [e for _, e in sized if e is not None]
     known = [(job, size) for job, (size, e) in zip(jobs, sized) if e is None]
     for job, size in known:
@@ -84,12 +103,14 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
     )
     for manifest in indexes.manifests:  # only now, with room made, does the cache change
         rx.artifacts.open(DELTA if manifest.is_delta else FULL, manifest.version, manifest.uri, manifest.raw)
+    arrivals.admit()
+    for version, name in reused_files:
+        arrivals.arrived(version, name)
     progress = rx.progress("fetch", sum(s for _, s in known))
 
-    def fetch(job_size: tuple[_Job, int]) -> int:
-        job, size = job_size
+    def fetch(job: _Job, size: int) -> int:
         path = job.folder / job.name
-        got = rx.objects.download(job.url, path, expected_size=size)
+        got = objects.download(job.url, path, expected_size=size)
         progress(got)
         try:
             _check_file(job, path)
@@ -98,24 +119,34 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes) -
             raise
         rx.artifacts.record(job.kind, job.manifest.version, job.name)
         killpoint("fetch.file")
+        arrivals.arrived(job.manifest.version, job.name)
         return got
 
-    # every file that can be fetched is, so that a retry after one bad object reuses all the others
+    def one(job_size: tuple[_Job, int]):
+        job, size = job_size
+        got, error = _attempt(job, fetch, job, size)
+        if error is not None:
+            arrivals.failed(job.manifest.version, job.name, error)
+        return got, error
+
+    for job, (_, error) in zip(jobs, sized):
+        if error is not None:
+            arrivals.failed(job.manifest.version, job.name, error)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-        fetched = list(pool.map(lambda js: _attempt(fetch, js), known))
+        fetched = list(pool.map(one, known))
     errors += [e for _, e in fetched if e is not None]
     if errors:
         raise errors[0]
     downloaded = sum(n for n, _ in fetched)
-    return Artifacts(folders, len(jobs), reused, reused_bytes, downloaded, tuple(evicted))
+    return Artifacts(folders, len(jobs), len(reused_files), reused, downloaded, tuple(evicted))
 
 
-def _attempt(fn, arg):
-    """(result, None) or (None, error) for one file, so one failure does not waste the others."""
+def _attempt(job: _Job, fn, *args):
+    """(result, None) or (None, error naming the revision) for one file."""
     try:
-        return fn(arg), None
+        return fn(*args), None
     except RefitError as exc:
-        return None, exc
+        return None, exc.with_context(revision=job.manifest.version)
 
 
 def _check_file(job: _Job, path: Path) -> None:

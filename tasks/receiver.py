@@ -52,16 +52,26 @@ class StageRecord:
         }
 
 
+STAGE_ORDER = ("resolve catalog", "seed checkpoint", "fetch index", "fetch buckets", "apply deltas",
+               "verify digest", "install", "activate")
+
+
 @dataclass
 class Ledger:
-    """Per-stage records of one run, in stage order."""
+    """Per-stage records of one run."""
 
-    stages: dict[str, StageRecord] = field(default_factory=dict)
+    records: dict[str, StageRecord] = field(default_factory=dict)
     lineage: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def record(self, name: str) -> StageRecord:
-        return self.stages.setdefault(name, StageRecord(name))
+        return self.records.setdefault(name, StageRecord(name))
+
+    @property
+    def stages(self) -> dict[str, StageRecord]:
+        """The records in SPEC order (fetch and apply start together, so arrival order varies)."""
+        rank = {name: i for i, name in enumerate(STAGE_ORDER)}
+        return dict(sorted(self.records.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
     def note(self, message: str) -> None:
         log.info(message)
@@ -97,12 +107,17 @@ class Receiver:
         self.store = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes)
         self.artifacts = ArtifactCache(self.store)
         self._objects = ObjectStore(params.storage)
-        self.objects = self._objects
-        self.catalog = Catalog(self.objects, params.catalog, params.model, cache_dir=self.store.catalog_dir)
+        self._stage_view = threading.local()  # fetch and apply run at once: each stage counts its own requests
+        self.catalog = Catalog(self._objects, params.catalog, params.model, cache_dir=self.store.catalog_dir)
         self.ledger = Ledger()
         self.report_progress = progress
         self.installer = installer
         self.lock = None
+
+    @property
+    def objects(self) -> ObjectStore:
+        """Object storage, counting into the stage that runs in this thread."""
+        return getattr(self._stage_view, "objects", None) or self._objects
 
     def progress(self, label: str, total: int) -> Progress:
         return Progress(label, total, self.report_progress)
@@ -113,8 +128,8 @@ class Receiver:
         record = self.ledger.record(name)
         record.attempts += 1
         stats = TransferStats()
-        self.objects = self._objects.with_stats(stats)
-        self.catalog.store = self.objects
+        self._stage_view.objects = self._objects.with_stats(stats)
+        self.catalog.store = self._stage_view.objects
         start = time.perf_counter()
         try:
             yield record
@@ -133,7 +148,7 @@ class Receiver:
             record.requests += snap["attempts"]
             record.retries += snap["retries"]
             record.backoff_s += snap["backoff_s"]
-            self.objects = self._objects
+            self._stage_view.objects = None
             self.catalog.store = self._objects
 
     def acquire_preparation_lock(self):

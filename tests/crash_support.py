@@ -175,7 +175,13 @@ def events(folder: Path) -> list[dict]:
 
 
 def refit_plain(params, installer):
-    """The refit flow's stage calls (flows/refit.py), as plain functions; returns the active identity."""
+    """The refit flow's stage calls (flows/refit.py), as plain functions; returns the active identity.
+
+    As in the flow, fetch buckets runs in its own thread while apply deltas consumes what arrives.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from storage.pipeline import Arrivals
     from tasks.activate import activate
     from tasks.apply_deltas import apply_deltas
     from tasks.fetch_buckets import fetch_buckets
@@ -195,8 +201,11 @@ def refit_plain(params, installer):
                 return rx.store.active(), rx
             baseline = seed_checkpoint(rx, plan)
             indexes = fetch_index(rx, plan, baseline)
-            artifacts = fetch_buckets(rx, plan, baseline, indexes)
-            prepared = apply_deltas(rx, plan, baseline, indexes, artifacts)
+            arrivals = Arrivals()
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                fetching = pool.submit(fetch_buckets, rx, plan, baseline, indexes, arrivals)
+                prepared = apply_deltas(rx, plan, baseline, indexes, arrivals)
+                fetching.result()
             verified = verify_digest(rx, plan, prepared)
             lock.downgrade()
             receipt = install(rx, verified)

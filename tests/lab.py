@@ -143,6 +143,9 @@ class Lab:
 def run_plain(params: RefitParams, installer=None, *, activate: bool = True):
     """The refit stages called in the flow's order through their tasks' plain functions (``.fn``):
     measured like the flow, without Prefect, with any installer. Returns the Receiver."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from storage.pipeline import Arrivals
     from tasks.activate import activate_task
     from tasks.apply_deltas import apply_deltas_task
     from tasks.fetch_buckets import fetch_buckets_task
@@ -160,8 +163,11 @@ def run_plain(params: RefitParams, installer=None, *, activate: bool = True):
             plan = resolve_catalog_task.fn(rx)
             baseline = seed_checkpoint_task.fn(rx, plan)
             indexes = fetch_index_task.fn(rx, plan, baseline)
-            artifacts = fetch_buckets_task.fn(rx, plan, baseline, indexes)
-            prepared = apply_deltas_task.fn(rx, plan, baseline, indexes, artifacts)
+            arrivals = Arrivals()  # as in the flow: fetch in its own thread, apply what arrives
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                fetching = pool.submit(fetch_buckets_task.fn, rx, plan, baseline, indexes, arrivals)
+                prepared = apply_deltas_task.fn(rx, plan, baseline, indexes, arrivals)
+                fetching.result()
             verified = verify_digest_task.fn(rx, plan, prepared)
             lock.downgrade()
             receipt = install_task.fn(rx, verified)

@@ -50,8 +50,15 @@ def edit_index(lab, version: str, edit) -> None:
 
 
 def snapshot_state(lab) -> dict:
+    """What a rejection must leave as it was: which checkpoint is READY, what is installed, what is verified.
+
+    (Timestamps and file mtimes may move when an apply that already started is undone in place.)
+    """
     store = store_of(lab)
-    return {"state": store.state(), "active": store.active(), "verified": sorted(store.inventory())}
+    state, active = store.state(), store.active()
+    return {"state": (state.status, state.version, state.source) if state else None,
+            "active": (active.version, active.digest, active.path) if active else None,
+            "verified": {v: r.target_digest for v, r in store.inventory().items()}}
 
 
 def checkpoint_bytes(lab) -> dict:

@@ -1,0 +1,1 @@
+"""Reproducible measurements of the refit pipeline (``python -m benchmarks.refit --help``)."""

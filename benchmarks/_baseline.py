@@ -1,0 +1,105 @@
+"""The straightforward receiver, for comparison: fetch everything, then decode whole tensors, then hash.
+
+1. download every bucket of the revision to disk (the same ``ObjectStore``
+   downloads and concurrency as the fetch stage);
+2. read the buckets into memory and, tensor by tensor in a thread pool,
+   decode each frame whole with zstd and XOR it into the mmap-backed
+   checkpoint with numpy; flush and fsync like the patcher does;
+3. hash every patched tensor and compare with the bucket's checksum.
+
+No step starts before the previous one ends, so its wall time is the sum.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import zstandard
+
+from storage.catalog import Catalog
+from storage.checkpoint import CheckpointIndex
+from storage.digests import new_checksum
+from storage.errors import ChecksumMismatch, CodecError
+from storage.manifests import MAX_INDEX_BYTES, Manifest, parse_delta_manifest
+from storage.objects import ObjectStore
+from storage.safetensors import read_header
+from storage.settings import ObjectStoreSettings
+
+
+def fetch_revision(catalog_url: str, model: str, version: str, dest: Path, *,
+                   concurrency: int) -> tuple[Manifest, dict]:
+    """Download the index and every bucket of ``version`` into ``dest``; returns the manifest and timings."""
+    objects = ObjectStore(ObjectStoreSettings(concurrency=concurrency))
+    t0 = time.perf_counter()
+    record = Catalog(objects, catalog_url, model).read(version)
+    manifest = parse_delta_manifest(objects.read_bytes(record.uri, max_size=MAX_INDEX_BYTES), record)
+    dest.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="fetch") as pool:
+        sizes = list(pool.map(lambda name: objects.download(manifest.file_url(name), dest / name), manifest.files))
+    seconds = time.perf_counter() - t0
+    return manifest, {"seconds": round(seconds, 4), "bytes": sum(sizes), "files": len(sizes),
+                      "mb_s": round(sum(sizes) / seconds / 1e6, 1) if seconds else None}
+
+
+def run_baseline(catalog_url: str, model: str, version: str, checkpoint: Path, dest: Path, *,
+                 workers: int, concurrency: int) -> dict:
+    """Patch ``checkpoint`` (a copy of the base) to ``version`` the straightforward way; returns timings."""
+    started = time.perf_counter()
+    manifest, fetch = fetch_revision(catalog_url, model, version, dest, concurrency=concurrency)
+    t_apply = time.perf_counter()
+    index = CheckpointIndex.open(checkpoint, revision=version)
+    buckets = {name: (read_header(dest / name), (dest / name).read_bytes()) for name in manifest.files}
+    shards = {}
+    for name in {index.tensors[t].file for t in manifest.weight_map}:
+        with open(checkpoint / name, "r+b") as fh:
+            m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_WRITE)
+        shards[name] = (m, np.frombuffer(m, dtype=np.uint8))
+
+    def target(tensor: str) -> np.ndarray:
+        loc = index.tensors[tensor]
+        return shards[loc.file][1][loc.offset: loc.offset + loc.nbytes]
+
+    def apply(tensor: str) -> int:
+        header, data = buckets[manifest.weight_map[tensor]]
+        info = header.tensors[tensor]
+        frame = memoryview(data)[header.data_offset + info.start: header.data_offset + info.end]
+        decoded = zstandard.ZstdDecompressor().decompress(frame)
+        dest_view = target(tensor)
+        if len(decoded) != dest_view.size:
+            raise CodecError(f"frame decodes to {len(decoded)} bytes, the tensor has {dest_view.size}",
+                             revision=version, tensor=tensor)
+        np.bitwise_xor(dest_view, np.frombuffer(decoded, dtype=np.uint8), out=dest_view)
+        return dest_view.size
+
+    names = sorted(manifest.weight_map, key=lambda t: -index.tensors[t].nbytes)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="baseline") as pool:
+        applied = sum(pool.map(apply, names))
+    for m, _ in shards.values():
+        m.flush()
+    for name in shards:
+        with open(checkpoint / name, "rb+") as fh:
+            os.fsync(fh.fileno())
+    t_hash = time.perf_counter()
+
+    def check(tensor: str) -> None:
+        header, _ = buckets[manifest.weight_map[tensor]]
+        h = new_checksum(manifest.checksum_format)
+        h.update(memoryview(target(tensor)))
+        if h.hexdigest() != header.metadata[tensor]:
+            raise ChecksumMismatch(f"tensor hashes to {h.hexdigest()}, the bucket says {header.metadata[tensor]}",
+                                   revision=version, tensor=tensor)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="baseline-hash") as pool:
+        list(pool.map(check, names))
+    done = time.perf_counter()
+    shards.clear()
+    buckets.clear()
+    apply_s, hash_s = t_hash - t_apply, done - t_hash
+    return {"fetch_s": fetch["seconds"], "fetch_bytes": fetch["bytes"], "apply_s": round(apply_s, 4),
+            "hash_s": round(hash_s, 4), "wall_s": round(done - started, 4), "applied_bytes": applied,
+            "apply_gb_s": round(applied / apply_s / 1e9, 3), "tensors": len(names), "workers": workers}

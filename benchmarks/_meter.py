@@ -1,0 +1,149 @@
+"""Process counters for the benchmark: CPU time, page faults, I/O bytes and resident memory.
+
+``counters()`` reads ``getrusage(RUSAGE_SELF)`` and ``/proc/self/io`` (Linux).
+``write_bytes`` there is charged to the process when it *dirties* a page of a
+file (``write()`` or a store through a shared mmap), once per clean-to-dirty
+transition, so it counts the checkpoint bytes a pass rewrites even before the
+kernel writes them back. ``RssSampler`` polls ``/proc/self/status`` from a
+thread: ``VmRSS`` includes the file pages of mmaps the process touched (page
+cache the kernel can drop), ``RssAnon`` only private memory (heap, buffers).
+A process's own peak is ``VmHWM``; ``ru_maxrss`` also carries its parent's.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from contextlib import contextmanager
+
+_IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes", "cancelled_write_bytes")
+
+
+def _proc_io() -> dict[str, int]:
+    try:
+        with open("/proc/self/io") as fh:
+            pairs = (line.split(":", 1) for line in fh)
+            values = {k.strip(): int(v) for k, v in pairs}
+    except OSError:
+        return {}
+    return {k: values[k] for k in _IO_KEYS if k in values}
+
+
+def counters() -> dict[str, float]:
+    """CPU seconds, faults, context switches and I/O bytes of this process so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {
+        "cpu_user_s": ru.ru_utime,
+        "cpu_sys_s": ru.ru_stime,
+        "minor_faults": ru.ru_minflt,
+        "major_faults": ru.ru_majflt,
+        "voluntary_switches": ru.ru_nvcsw,
+        "involuntary_switches": ru.ru_nivcsw,
+    }
+    out.update(_proc_io())
+    out["wall"] = time.perf_counter()
+    return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    """``after - before`` for every counter, with ``wall`` renamed ``wall_s``."""
+    out = {k: after[k] - before.get(k, 0) for k in after}
+    out["wall_s"] = out.pop("wall")
+    for k in ("cpu_user_s", "cpu_sys_s", "wall_s"):
+        out[k] = round(out[k], 4)
+    return out
+
+
+@contextmanager
+def measured():
+    """``with measured() as m: ...`` then ``m`` holds the counter deltas of the block."""
+    result: dict = {}
+    before = counters()
+    try:
+        yield result
+    finally:
+        result.update(delta(counters(), before))
+
+
+def max_rss_bytes() -> int:
+    """Peak resident set of this process's own memory map (``VmHWM``).
+
+    ``ru_maxrss`` is not used for this: Linux folds the parent's high-water
+    mark into it across fork/exec, so a child of a large parent reports the
+    parent's peak (see ``ru_maxrss_bytes``).
+    """
+    return _status_kib(("VmHWM",)).get("VmHWM", 0)
+
+
+def ru_maxrss_bytes() -> int:
+    """``getrusage().ru_maxrss`` in bytes (includes the peak inherited from the parent at exec)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _status_kib(keys=("VmRSS", "RssAnon", "RssFile")) -> dict[str, int]:
+    out = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    out[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class RssSampler:
+    """Peaks of ``VmRSS``, ``RssAnon`` and ``RssFile`` polled every ``interval_s`` from a thread.
+
+    ``samples`` keeps ``(perf_counter, VmRSS, RssAnon, RssFile)`` of every poll,
+    so a peak can be placed in the stage that was running.
+    """
+
+    def __init__(self, interval_s: float = 0.02):
+        self.interval_s = interval_s
+        self.peaks = {"VmRSS": 0, "RssAnon": 0, "RssFile": 0}
+        self.samples: list[tuple[float, int, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        now = _status_kib()
+        for key, value in now.items():
+            if value > self.peaks[key]:
+                self.peaks[key] = value
+        self.samples.append((time.perf_counter(), now.get("VmRSS", 0), now.get("RssAnon", 0), now.get("RssFile", 0)))
+
+    def peak_between(self, start: float, end: float) -> dict | None:
+        """The sample with the most anonymous memory in ``[start, end]`` (perf_counter times)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if not inside:
+            return None
+        t, rss, anon, file = max(inside, key=lambda s: s[2])
+        return {"at": t, "rss_bytes": rss, "anon_bytes": anon, "file_bytes": file,
+                "max_rss_bytes": max(s[1] for s in inside)}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> "RssSampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sample()
+
+    def result(self) -> dict[str, int]:
+        return {"peak_rss_bytes": self.peaks["VmRSS"], "peak_anon_bytes": self.peaks["RssAnon"],
+                "peak_file_bytes": self.peaks["RssFile"]}
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15-minute load averages (what ``uptime`` prints)."""
+    return [round(x, 2) for x in os.getloadavg()]

@@ -1,0 +1,284 @@
+"""Refit benchmark: where the receiver stands against the machine's own ceilings (issue 8).
+
+    python -m benchmarks.refit                      # ~1 GB model, everything
+    python -m benchmarks.refit --size-mb 64 --prefect none
+
+Builds, in a temporary folder, a transformer-shaped bf16 model and K+1 XOR
+deltas published to a local ``file://`` catalog, then measures in the same
+run: memcpy/XOR/checksum and zstd decode rates of those bytes, the patcher's
+apply throughput per thread count, a cold and a steady-state refit by stage
+(each in a child process, for its peak RSS), a catch-up of K deltas folded
+vs K one-delta refits (bytes dirtied, page faults), the straightforward
+baseline, a rate-limited store (fetch/apply overlap) and Prefect's overhead
+(ephemeral API and a local server). Prints a table, writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from benchmarks import _render, _report, _throttle
+from benchmarks._baseline import fetch_revision
+from benchmarks._jobs import Jobs
+from benchmarks._meter import load_average
+from benchmarks._model import build
+from benchmarks._prefect import PrefectServer
+from benchmarks._rates import apply_once, apply_sweep, decode_rates, kernel_rates, load_manifests
+from benchmarks._scratch import DiskMeter, clone_store
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SCHEMA = "canonical-refit.benchmark.refit.v1"
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _default_threads() -> str:
+    cores = os.cpu_count() or 1
+    steps = sorted({1 << i for i in range(cores.bit_length()) if 1 << i <= cores} | {cores})
+    return ",".join(map(str, steps))
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.refit", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument
+    add("--size-mb", type=float, default=1000, help="model size in decimal MB of bf16 tensors")
+    add("--fraction", type=float, default=1.0,
+        help="share of elements an optimizer step perturbs (flows.synthetic.train_step)")
+    add("--lr", type=float, default=3e-3,
+        help="relative step size; 3e-3 gives bf16 XOR deltas compressing about 4.5x, like issue 8's")
+    add("--catch-up", type=int, default=5, metavar="K", help="deltas folded in the catch-up refit")
+    add("--bucket-mib", type=int, default=256, help="decoded MiB per delta bucket (publisher)")
+    add("--zstd-level", type=int, default=3, help="zstd level of the published frames")
+    add("--threads", default=_default_threads(), help="comma-separated thread counts for the apply sweep")
+    add("--apply-workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+        help="apply threads of the refits, the catch-up and the baseline")
+    add("--fetch-workers", type=int, default=8, help="concurrent downloads (ObjectStoreSettings.concurrency)")
+    add("--bandwidth-mb-s", type=float, default=200,
+        help="read bandwidth of the rate-limited throttled:// store in MB/s; 0 skips that part")
+    add("--prefect", choices=("both", "ephemeral", "server", "none"), default="both",
+        help="which Prefect overhead measurements to run")
+    add("--no-baseline", action="store_true", help="skip the straightforward baseline receiver")
+    add("--kernel-mb", type=float, default=256, help="MB of tensor bytes for memcpy/XOR/checksum rates")
+    add("--repeat", type=int, default=2, help="runs per apply-sweep point (best is kept)")
+    add("--kernel-repeat", type=int, default=3, help="runs per memcpy/XOR/checksum/decode rate (best is kept)")
+    add("--workdir", type=Path, default=Path(tempfile.gettempdir()),
+        help="where the temporary model, catalog and caches go (peak use about 9x the model size)")
+    add("--memdir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
+        help="memory-backed folder for the apply sweep's checkpoint copy (isolates compute from writeback); "
+             "default /dev/shm, else --workdir")
+    add("--json", type=Path, help="result file (default benchmarks/results/refit-<UTC time>.json)")
+    add("--plot", type=Path, help="PNG of apply throughput vs threads (default: next to the JSON)")
+    add("--no-plot", action="store_true", help="do not draw the PNG")
+    add("--child-timeout", type=float, default=1800, help="seconds before a measured child process is killed")
+    add("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
+    args = p.parse_args(argv)
+    args.thread_list = sorted({int(t) for t in args.threads.split(",") if t.strip()})
+    if not args.thread_list or min(args.thread_list) < 1:
+        p.error("--threads needs positive integers")
+    if args.catch_up < 1 or args.size_mb <= 0:
+        p.error("--catch-up must be >= 1 and --size-mb > 0")
+    return args
+
+
+def machine_info() -> dict:
+    def first(path: str, prefix: str) -> str | None:
+        try:
+            with open(path) as fh:
+                return next((line.split(":", 1)[1].strip() for line in fh if line.startswith(prefix)), None)
+        except OSError:
+            return None
+
+    cpu = first("/proc/cpuinfo", "model name") or platform.processor() or platform.machine()
+    mem = int((first("/proc/meminfo", "MemTotal") or "0 kB").split()[0]) * 1024
+    import numpy
+    import zstandard
+
+    def git(*cmd: str) -> str:  # read-only: --no-optional-locks keeps `status` from refreshing the index
+        try:
+            return subprocess.run(["git", "--no-optional-locks", *cmd], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gb": round(mem / 1e9, 1), "kernel": platform.release(),
+            "python": platform.python_version(), "numpy": numpy.__version__, "zstandard": zstandard.__version__,
+            "git_commit": git("rev-parse", "HEAD"), "git_dirty_files": len(git("status", "--porcelain").splitlines())}
+
+
+class Bench:
+    """One benchmark run: the workspace, its jobs and the result being assembled.
+
+    A step that fails (for example a refit that does not install its target)
+    is recorded under ``errors`` and the steps that do not depend on it still
+    run, so a broken stage still leaves every other number.
+    """
+
+    def __init__(self, args: argparse.Namespace, root: Path):
+        self.args, self.root = args, root
+        self.ws = self.jobs = None
+        self.disk = DiskMeter(root)
+        self.result: dict = {"schema": SCHEMA, "errors": [], "load": {"start": load_average(), "sections": {}}}
+
+    @contextmanager
+    def step(self, name: str):
+        self.result["load"]["sections"][name] = load_average()
+        self.disk.sample()
+        log(f"{name} (load {self.result['load']['sections'][name]}, disk {self.disk.peak / 1e9:.2f} GB peak)")
+        try:
+            yield
+        except Exception as exc:  # recorded, and the independent steps still run
+            log(f"{name} FAILED: {type(exc).__name__}: {exc}")
+            self.result["errors"].append({"step": name, "error": f"{type(exc).__name__}: {exc}"[-4000:]})
+
+    def run(self) -> dict:
+        a, r = self.args, self.result
+        r["machine"] = machine_info()
+        if a.memdir and shutil.disk_usage(a.memdir).free < 1.5 * a.size_mb * 1e6:
+            log(f"{a.memdir} has too little free space for a model copy: the apply sweep uses {a.workdir}")
+            a.memdir = None
+        memdir = Path(tempfile.mkdtemp(prefix="canonical-refit-bench-", dir=a.memdir)) if a.memdir else self.root
+        r["config"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+        r["config"]["memdir_kind"] = "memory (tmpfs)" if a.memdir else "the work disk"
+        try:
+            self._measure(memdir)
+        finally:
+            if memdir != self.root:
+                shutil.rmtree(memdir, ignore_errors=True)
+        r["load"]["end"] = load_average()
+        r["disk"] = {"peak_bytes": self.disk.peak}
+        r["targets"] = _report.targets(r)
+        return r
+
+    def _measure(self, memdir: Path) -> None:
+        a, r = self.args, self.result
+        deltas = a.catch_up + 1
+        later = [f"r{k}" for k in range(2, deltas + 1)]
+        log("building model and catalog")
+        t0 = time.perf_counter()
+        self.ws = ws = build(self.root, size_bytes=int(a.size_mb * 1e6), deltas=deltas, fraction=a.fraction,
+                             lr=a.lr, bucket_mib=a.bucket_mib, zstd_level=a.zstd_level,
+                             workers=max(1, min(8, os.cpu_count() or 1)), log=log)
+        self.jobs = jobs = Jobs(ws, apply_workers=a.apply_workers, fetch_workers=a.fetch_workers,
+                                timeout_s=a.child_timeout, after=self.disk.sample)
+        r["model"], r["revisions"] = ws.model_json(), [x.to_json() for x in ws.revisions]
+        r["build_s"] = round(time.perf_counter() - t0, 2)
+        refits = r["refits"] = {}
+        r["prefect"] = {"ephemeral": None, "server": None}
+
+        with self.step("single-thread rates"):
+            r["kernels"] = kernel_rates(ws.checkpoint_of("r1"), ws.delta_folder("r2"), int(a.kernel_mb * 1e6),
+                                        a.kernel_repeat)
+            r["decode"] = decode_rates({v: ws.delta_folder(v) for v in later}, "r2", a.kernel_repeat)
+        decode = (r.get("decode") or {}).get("single_thread_gb_s")
+        with self.step("apply sweep"):
+            r["apply_threads"] = apply_sweep(ws, "r2", a.thread_list, workdir=memdir, decode_gb_s=decode,
+                                             repeat=a.repeat, checksum_format="adler32", log=log)
+            manifests, folders = load_manifests(ws, ["r2"])
+            r["apply_disk"] = apply_once(ws.checkpoint_of("r1"), ws.scratch / "apply-disk", manifests, folders,
+                                         workers=a.apply_workers, checksum_format="adler32")
+        with self.step("cold refit r0 -> r1"):
+            refits["cold"] = jobs.plain("cold", ["r1"], restore=False)
+            clone_store(ws.cache, ws.pristine)
+        if "cold" not in refits:
+            return  # every later refit starts from the receiver state the cold refit leaves
+        with self.step("refit r1 -> r2"):
+            refits["single"] = jobs.plain("single", ["r2"], restore=True)
+            r["memory"] = _report.memory(refits["single"], ws.info("r2").largest_bucket_bytes)
+            r["fetch"] = _report.fetched(refits["single"], None, ws.checkpoint_file_bytes)
+        with self.step(f"catch-up r1 -> r{deltas} vs {len(later)} one-delta refits"):
+            refits["catchup"] = jobs.plain("catchup", [f"r{deltas}"], restore=True)
+            refits["sequential"] = jobs.plain("sequential", later, restore=True)
+            r["catch_up"] = _report.catch_up(refits, r.get("decode"), later, a.apply_workers)
+            r["fetch"] = _report.fetched(refits.get("single"), refits["catchup"], ws.checkpoint_file_bytes)
+        if not a.no_baseline:
+            with self.step("baseline receiver"):
+                r["baseline"] = jobs.baseline("baseline", "r2", ws.catalog)
+        throttled_url, rate = None, a.bandwidth_mb_s * 1e6
+        if rate > 0:
+            with self.step(f"rate-limited store at {a.bandwidth_mb_s:g} MB/s"):
+                throttled_url = _throttle.mirror_catalog(ws.catalog_dir, ws.root / "catalog-throttled")
+                r["fetch_only"] = self._fetch_only(throttled_url, rate)
+                refits["throttled"] = jobs.plain("throttled", ["r2"], restore=True, catalog=throttled_url,
+                                                 throttle=rate)
+                if not a.no_baseline:
+                    r["baseline_throttled"] = jobs.baseline("baseline-throttled", "r2", throttled_url, rate)
+        self._prefect(throttled_url, rate)
+        r["overlap"] = _report.overlap(r, a.bandwidth_mb_s) if throttled_url else None
+
+    def _fetch_only(self, url: str, rate: float) -> dict:
+        """The revision's files downloaded alone through the rate-limited store (same concurrency)."""
+        dest = self.ws.scratch / "fetch-only"
+        _throttle.configure(rate)
+        try:
+            return fetch_revision(url, self.ws.model, "r2", dest, concurrency=self.args.fetch_workers)[1]
+        finally:
+            _throttle.configure(0)
+            shutil.rmtree(dest, ignore_errors=True)
+
+    def _prefect(self, throttled_url: str | None, rate: float) -> None:
+        """Two flow refits per mode (fresh process, then warm); the last mode also runs one rate-limited."""
+        a, ws, r = self.args, self.ws, self.result
+        modes = [m for m in ("ephemeral", "server") if a.prefect in ("both", m)]
+        for mode in modes:
+            runs = [{"target": "r2", "restore": True, "label": "first flow in the process"},
+                    {"target": "r2", "restore": True, "label": "next flow"}]
+            if throttled_url and mode == modes[-1]:
+                runs.append({"target": "r2", "restore": True, "catalog": throttled_url, "label": "rate-limited"})
+            with self.step(f"Prefect flow, {mode}"):
+                if mode == "ephemeral":
+                    data = self.jobs.flow("prefect-ephemeral", ws.root / "prefect-ephemeral", runs=runs,
+                                          throttle=rate)
+                else:
+                    with PrefectServer(ws.root / "prefect-server") as server:
+                        data = self.jobs.flow("prefect-server", ws.root / "prefect-client", api_url=server.api_url,
+                                              runs=runs, throttle=rate)
+                    data["server_startup_s"] = round(server.startup_s, 2)
+                r["prefect"][mode] = data
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = args.json or RESULTS / f"refit-{stamp}.json"
+    root = Path(tempfile.mkdtemp(prefix="canonical-refit-bench-", dir=args.workdir))
+    log(f"working in {root}")
+    started = time.perf_counter()
+    bench = Bench(args, root)
+    try:
+        result = bench.run()
+    finally:
+        if args.keep:
+            log(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    result["command"] = "python -m benchmarks.refit " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result["started_at"] = stamp
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    if not args.no_plot:
+        drawn = _render.plot(result, args.plot or out.with_suffix(".png"))
+        result["plot"] = str(drawn) if drawn else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(_render.table(result))
+    print(f"\nJSON: {out}" + (f"\nplot: {result['plot']}" if result.get("plot") else ""))
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+"""The refit benchmark runs end to end at a tiny size and writes its JSON and plot (no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.refit import main
+
+SECTIONS = ("machine", "config", "model", "revisions", "kernels", "decode", "apply_threads", "apply_disk",
+            "refits", "catch_up", "memory", "fetch", "baseline", "fetch_only", "baseline_throttled", "overlap",
+            "prefect", "targets", "load", "disk", "errors")
+
+
+def test_tiny_benchmark_writes_every_section(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    code = main(["--size-mb", "4", "--catch-up", "2", "--threads", "1,2", "--apply-workers", "2",
+                 "--prefect", "none", "--bandwidth-mb-s", "400", "--kernel-mb", "2", "--repeat", "1",
+                 "--workdir", str(tmp_path), "--json", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert set(SECTIONS) <= set(result)
+    assert result["schema"] == "canonical-refit.benchmark.refit.v1"
+    assert result["errors"] == []
+    assert (tmp_path / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "targets (measured / bound)" in capsys.readouterr().out
+
+    # every refit the benchmark timed installed the exact revision it asked for
+    refits = result["refits"]
+    assert [run["version"] for run in refits["sequential"]["runs"]] == ["r2", "r3"]
+    assert refits["catchup"]["runs"][0]["lineage"] == ["r1", "r2", "r3"]
+    for name in ("cold", "single", "catchup", "throttled"):
+        for run in refits[name]["runs"]:
+            assert run["status"] == "READY" and run["digest"].startswith("sha256:")
+            assert {s["stage"] for s in run["stages"]} >= {"fetch buckets", "apply deltas", "verify digest"}
+
+    # the measurements are of the published data: sizes agree with the catalog
+    r2 = next(r for r in result["revisions"] if r["version"] == "r2")
+    assert result["decode"]["revisions"]["r2"]["decoded_bytes"] == r2["decoded_bytes"]
+    assert [row["threads"] for row in result["apply_threads"]] == [1, 2]
+    assert all(row["applied_bytes"] == r2["decoded_bytes"] for row in result["apply_threads"])
+    assert result["baseline"]["applied_bytes"] == r2["decoded_bytes"]
+    # the rate-limited store really served the bytes of the throttled refit
+    assert refits["throttled"]["throttled_bytes"] >= r2["encoded_bytes"]
+    # folding two deltas dirties the changed tensors once; two one-delta refits dirty them twice
+    catch_up = result["catch_up"]
+    assert catch_up["k"] == 2
+    assert catch_up["folded"]["checkpoint_write_bytes"] < catch_up["sequential"]["checkpoint_write_bytes"]
+    assert result["prefect"] == {"ephemeral": None, "server": None}
+    names = [t["target"] for t in result["targets"]]
+    assert any(n.startswith("apply throughput") for n in names) and any(n.startswith("overlap") for n in names)
+    assert result["overlap"]["runs"]["plain stages (tests/lab.py run_plain)"]["data_plane_s"] > 0
+    assert result["disk"]["peak_bytes"] > 0
+    # the temporary model and catalog are gone; only the result files stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "result.png"]
