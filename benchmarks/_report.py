@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 MB = 1e6
 FETCH_STAGES = ("fetch index", "fetch buckets")
 

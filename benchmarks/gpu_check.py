@@ -48,7 +48,6 @@ def main() -> int:
     args = parser.parse_args()
 
     from storage.checkpoint import CheckpointIndex
-    from storage.codec import make_decoder
     from storage.digests import snapshot_digest
     from storage.durable import copy_tree_files
     from storage.manifests import Manifest

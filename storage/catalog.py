@@ -11,7 +11,7 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.digests import CHECKSUM_FORMATS, DIGEST_PATTERN, canonical_json
+from storage.digests import DIGEST_PATTERN, canonical_json, unique_keys
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import CatalogError, InvalidURI, LineageError, ObjectNotFound, RefitError
 from storage.objects import ObjectStore, join_url, normalize_url
@@ -20,7 +20,6 @@ from storage.settings import VERSION_PATTERN
 log = logging.getLogger("canonical_refit.catalog")
 
 SCHEMA = "canonical-refit.revision.v1"
-PAYLOAD_FORMATS = ("metadata_only", "full_hf_checkpoint", "xor_delta")
 MAX_RECORD_BYTES = 1 * 2**20
 MAX_CHAIN = 100_000
 _VERSION_RE = re.compile(VERSION_PATTERN)
@@ -100,7 +99,7 @@ def parse_revision(raw: bytes | str | dict, *, version: str | None, model: str |
     """Validate one record; errors name the revision, the file and the field."""
     if not isinstance(raw, dict):
         try:
-            raw = json.loads(raw)
+            raw = json.loads(raw, object_pairs_hook=unique_keys)
         except (ValueError, UnicodeDecodeError) as exc:
             raise CatalogError(f"record is not valid JSON ({exc})", revision=version, file=file) from None
     if not isinstance(raw, dict):

@@ -8,7 +8,7 @@ from typing import Mapping
 
 from storage.catalog import Revision
 from storage.checkpoint import check_shard_name
-from storage.digests import CHECKSUM_FORMATS
+from storage.digests import CHECKSUM_FORMATS, unique_keys
 from storage.errors import FormatError, ManifestError
 from storage.objects import join_url, parent_url
 
@@ -48,20 +48,11 @@ class Manifest:
         return sorted(t for t, f in self.weight_map.items() if f == name)
 
 
-def _strict_object(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def _load(raw: bytes, revision: Revision, uri: str) -> dict:
     if len(raw) > MAX_INDEX_BYTES:
         raise ManifestError(f"index is {len(raw)} bytes, more than {MAX_INDEX_BYTES}", revision=revision.version, file=uri)
     try:
-        value = json.loads(raw, object_pairs_hook=_strict_object)
+        value = json.loads(raw, object_pairs_hook=unique_keys)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ManifestError(f"index is not valid JSON ({exc})", revision=revision.version, file=uri) from None
     if not isinstance(value, dict):

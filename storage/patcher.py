@@ -17,7 +17,6 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
@@ -100,8 +99,11 @@ class PlanSource(Protocol):
 
     def names(self) -> list[str]: ...
 
+    def take(self) -> str | None:
+        """The next tensor to patch (a ready one, largest first; may block); None when all are taken."""
+
     def plan(self, name: str) -> TensorPlan:
-        """The tensor's plan, once every bucket it needs is present and validated (may block)."""
+        """The plan of a taken tensor, its buckets validated."""
 
     def cancel(self) -> None:
         """Stop waiting: another tensor failed."""
@@ -118,9 +120,15 @@ class StaticPlans:
 
     def __init__(self, plans: Sequence[TensorPlan]):
         self._plans = {p.location.name: p for p in plans}
+        self._queue = sorted(self._plans, key=lambda n: (-self._plans[n].location.nbytes, n), reverse=True)
+        self._lock = threading.Lock()
 
     def names(self) -> list[str]:
         return list(self._plans)
+
+    def take(self) -> str | None:
+        with self._lock:
+            return self._queue.pop() if self._queue else None
 
     def plan(self, name: str) -> TensorPlan:
         return self._plans[name]
@@ -301,33 +309,37 @@ def apply_patches(
     lock = threading.Lock()
     failure: list[BaseException] = []
 
-    def one(name: str) -> tuple[str, str]:
-        if stop.is_set():
-            return name, ""
+    results: dict[str, str] = {}
+
+    def one(name: str) -> None:
         plan = source.plan(name)
         # folding K deltas keeps K scratch blocks live: shrink the block so they still fit in cache
         size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
         state = _Progress(plan, size)
         with lock:
             progresses.append(state)
-        return name, _apply_tensor(maps, state, target_checksum_format, progress, stop)
+        digest = _apply_tensor(maps, state, target_checksum_format, progress, stop)
+        with lock:
+            results[name] = digest
 
-    def guarded(name: str):
+    def worker() -> None:
         try:
-            return one(name)
+            while not stop.is_set() and (name := source.take()) is not None:
+                one(name)
         except BaseException as exc:
             stop.set()
-            getattr(source, "cancel", lambda: None)()  # plans still waiting for a download give up
+            source.cancel()  # workers still waiting for a download give up
             with lock:
                 failure.append(exc)
-            raise
 
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="apply") as pool:
-            futures = [pool.submit(guarded, name) for name in names]
+        threads = [threading.Thread(target=worker, name=f"apply-{i}") for i in range(max(1, workers))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         if failure:
             raise failure[0]
-        results = dict(f.result() for f in futures)
         maps.flush()
         return results
     except BaseException as exc:

@@ -68,6 +68,29 @@ class Arrivals:
         with self._cond:
             return (version, name) in self._ready
 
+    def first_ready(self, wants: dict[str, list[tuple[str, str]]], pick) -> str | None:
+        """Block until one of ``wants`` (name -> files it needs) has all its files; return ``pick`` of those.
+
+        Raises as soon as a needed file failed, fetching stopped, or waiting was cancelled.
+        """
+        with self._cond:
+            while True:
+                ready = [n for n, keys in wants.items() if all(k in self._ready for k in keys)]
+                if ready:
+                    return pick(ready)
+                for keys in wants.values():
+                    for key in keys:
+                        if key in self._errors:
+                            raise self._errors[key]
+                if self._fatal is not None:
+                    raise self._fatal
+                if self._cancelled:
+                    raise StoreError("stopped waiting for downloads after another tensor failed")
+                if self._closed:
+                    missing = next(k for keys in wants.values() for k in keys if k not in self._ready)
+                    raise StoreError("the file was not fetched", revision=missing[0], file=missing[1])
+                self._cond.wait()
+
     def cancel(self) -> None:
         with self._cond:
             self._cancelled = True
@@ -101,9 +124,8 @@ class Arrivals:
 class ArrivingPlans:
     """Tensor plans of a replay chain, each ready when its buckets have arrived (a ``PlanSource``).
 
-    Tensors are handed out in the order their buckets are fetched (a manifest's
-    files in order, oldest delta first), largest first among equals, so that
-    appliers rarely wait behind a download that comes later.
+    ``take`` hands out whichever tensor has all its buckets in, largest first,
+    so appliers never wait behind a large download while smaller ones are ready.
     """
 
     def __init__(self, deltas: Sequence[Manifest], folders: Mapping[str, Path],
@@ -119,11 +141,22 @@ class ArrivingPlans:
                 self._needs.setdefault(tensor, []).append((i, bucket))
         self._order = sorted(self._needs, key=lambda t: (max(rank[k] for k in self._needs[t]),
                                                          -checkpoint[t].nbytes, t))
+        self._pending = {t: [(self._deltas[i].version, b) for i, b in needs] for t, needs in self._needs.items()}
+        self._take_lock = threading.Lock()
         self._steps: dict[tuple[int, str], dict[str, PatchStep]] = {}
         self._locks: dict[tuple[int, str], threading.Lock] = {k: threading.Lock() for k in rank}
 
     def names(self) -> list[str]:
         return list(self._order)
+
+    def take(self) -> str | None:
+        with self._take_lock:  # one taker waits at a time; the others queue here
+            if not self._pending:
+                return None
+            name = self._arrivals.first_ready(
+                self._pending, lambda ready: max(ready, key=lambda t: (self._checkpoint[t].nbytes, t)))
+            del self._pending[name]
+            return name
 
     def total_bytes(self) -> int:
         """Bytes the apply pass folds: each tensor's size times the deltas that change it."""
@@ -144,7 +177,7 @@ class ArrivingPlans:
         validated after patching has begun.
         """
         if self._order:
-            self.plan(self._order[0])
+            self._arrivals.first_ready(self._pending, lambda ready: ready[0])
         for key in self._locks:
             if self._arrivals.has(self._deltas[key[0]].version, key[1]):
                 self._bucket(key)

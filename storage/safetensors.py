@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
 
+from storage.digests import unique_keys
 from storage.errors import SafetensorsError
 
 DTYPE_SIZES = {
@@ -58,15 +59,6 @@ class SafetensorsHeader:
         return 8 + self.header_len
 
 
-def _reject_duplicates(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
 def header_length(first8: bytes, file_size: int, *, file: str, revision: str | None = None) -> int:
     """Validate the 8-byte length prefix against the file size and the global bound."""
     if file_size < 8 or len(first8) < 8:
@@ -95,7 +87,7 @@ def parse_header(
     except UnicodeDecodeError as exc:
         raise fail(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
     try:
-        raw = json.loads(text, object_pairs_hook=_reject_duplicates)
+        raw = json.loads(text, object_pairs_hook=unique_keys)
     except ValueError as exc:
         raise fail(f"header is not valid JSON ({exc})") from None
     if not isinstance(raw, dict):

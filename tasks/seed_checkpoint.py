@@ -6,7 +6,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.artifacts import FULL
 from storage.catalog import Revision
 from storage.checkpoint import CheckpointIndex
 from storage.durable import copy_tree_files, folder_identity, fsync_dir, remove_tree, tree_size

@@ -52,7 +52,7 @@ def verify_digest(rx: Receiver, plan: ReplayPlan, prepared: Prepared) -> Verifie
             chain=prepared.chain, full=full, workers=rx.params.apply_workers, mutated=prepared.mutated,
             progress=progress,
         )
-    except RefitError as exc:
+    except RefitError:
         if prepared.mutated:
             outcome = restore_previous(rx.store, prepared.previous, workers=rx.params.apply_workers)
             rx.ledger.note(f"verification failed; {outcome}")
