@@ -22,7 +22,8 @@ import numpy as np
 
 from flows.synthetic import ModelShape, random_model, train_step, write_checkpoint
 from storage.catalog import Catalog, Revision
-from storage.objects import ObjectStore, join_url, normalize_url
+from storage.objects import ObjectStore
+from storage.urls import join_url, normalize_url
 from storage.settings import PublishParams
 
 MODEL = "bench/transformer"

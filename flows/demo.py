@@ -30,7 +30,7 @@ def run_demo(refit_flow=None) -> int:
     """Publish the next demo revision(s), refit to latest, print the stage table and identity."""
     from flows.cli import print_result, result_of
     from flows.publish import publish
-    from storage.objects import normalize_url
+    from storage.urls import normalize_url
     from storage.settings import InstallerSettings, PublishParams, RefitParams
 
     if refit_flow is None:

@@ -30,7 +30,8 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from storage.catalog import Catalog, Revision  # noqa: E402
 from storage.checkpoint import CheckpointIndex  # noqa: E402
 from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
-from storage.objects import ObjectStore, join_url, parent_url  # noqa: E402
+from storage.objects import ObjectStore  # noqa: E402
+from storage.urls import join_url, parent_url  # noqa: E402
 from storage.publisher import (  # noqa: E402
     Payload, PublisherCopy, Snapshot, existing_record, make_record, next_sequence, same_publication,
     snapshot_of, stage_delta, stage_full, upload_payload,
@@ -166,7 +167,8 @@ def publish(params: PublishParams) -> PublishResult:
     started = time.perf_counter()
     objects = ObjectStore(params.storage)
     catalog = Catalog(objects, params.catalog, params.model)
-    objects.ensure_conditional_writes(catalog.url, allow_unconditional=params.allow_unconditional_writes)
+    for prefix in {catalog.url, payload_root(params, catalog)}:  # catalog and payloads may be two buckets
+        objects.ensure_conditional_writes(prefix, allow_unconditional=params.allow_unconditional_writes)
     plan = plan_revision(params, catalog)
     url = join_url(payload_root(params, catalog), plan.version)
     with tempfile.TemporaryDirectory(prefix="canonical-refit-publish-") as tmp:

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from storage.digests import DIGEST_PATTERN, canonical_json, unique_keys
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import CatalogError, InvalidURI, LineageError, ObjectNotFound, RefitError
-from storage.objects import ObjectStore, join_url, normalize_url
+from storage.objects import ObjectStore
+from storage.urls import join_url, normalize_url
 from storage.settings import VERSION_PATTERN
 
 log = logging.getLogger("canonical_refit.catalog")
@@ -276,7 +277,10 @@ class Catalog:
     def _read_cached(self, version: str, url: str) -> Revision | None:
         if self.cache_dir is None:
             return None
-        cached = read_json_file(self.cache_dir / f"{version}.json")
+        try:
+            cached = read_json_file(self.cache_dir / f"{version}.json")
+        except ValueError:  # the memo is written without fsync: after a power loss it may be torn
+            return None
         if not isinstance(cached, dict) or cached.get("url") != url or not isinstance(cached.get("record"), dict):
             return None
         try:

@@ -10,7 +10,7 @@ from storage.catalog import Revision
 from storage.checkpoint import check_shard_name
 from storage.digests import CHECKSUM_FORMATS, unique_keys
 from storage.errors import FormatError, ManifestError
-from storage.objects import join_url, parent_url
+from storage.urls import join_url, parent_url
 
 MAX_INDEX_BYTES = 64 * 2**20
 DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite")

@@ -11,11 +11,9 @@ message). Nothing outside this module branches on the protocol.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import random
-import re
 import threading
 import time
 import uuid
@@ -28,42 +26,15 @@ from fsspec.implementations.local import LocalFileSystem
 
 from storage.durable import fsync_dir
 from storage.errors import (
-    AccessDenied,
-    ConditionalWritesUnsupported,
-    ImmutableConflict,
-    InvalidURI,
-    ObjectNotFound,
-    PermanentStorageError,
-    RefitError,
-    StorageError,
-    StoreError,
-    TransientStorageError,
+    ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
+from storage.classify import classify
 from storage.settings import ObjectStoreSettings
+from storage.urls import join_url, normalize_url
 
 log = logging.getLogger("canonical_refit.objects")
 T = TypeVar("T")
 
-_S3_SEGMENT = re.compile(r"^[^/?#]+$")
-_TRANSIENT_ERRNOS = {
-    errno.EBUSY, errno.EIO, errno.EREMOTEIO, errno.ECONNRESET, errno.ECONNABORTED,
-    errno.ECONNREFUSED, errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN, errno.ENETUNREACH,
-    errno.EHOSTUNREACH,
-}
-_TRANSIENT_S3_CODES = {
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
-    "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
-}
-_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
-_DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "ExpiredToken", "SignatureDoesNotMatch", "403"}
-_TRANSIENT_EXCEPTION_NAMES = {
-    # botocore / aiohttp / asyncio names, matched by name so that neither is imported here
-    "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError",
-    "HTTPClientError", "ProxyConnectionError", "ResponseStreamingError", "IncompleteReadError",
-    "ClientPayloadError", "ServerDisconnectedError", "ClientOSError", "ClientConnectionError",
-    "ClientConnectorError", "ServerTimeoutError", "ContentLengthError", "TransferEncodingError",
-    "FSTimeoutError", "ResponseParserError", "IncompleteRead",
-}
 _conditional_probes: dict[str, bool] = {}  # "endpoint|bucket" -> whether If-None-Match is enforced
 _verified_lock = threading.Lock()
 
@@ -96,97 +67,6 @@ class TransferStats:
                 "bytes_read": self.bytes_read,
                 "bytes_written": self.bytes_written,
             }
-
-
-def normalize_url(url: str) -> str:
-    """Return ``url`` with plain local paths turned into absolute ``file://`` URLs.
-
-    S3 URIs are validated strictly (SPEC section 6).
-    """
-    if not isinstance(url, str) or not url:
-        raise InvalidURI("empty object URL", file=repr(url))
-    if "://" not in url:
-        return "file://" + os.path.abspath(os.path.expanduser(url))
-    protocol, rest = url.split("://", 1)
-    if protocol in ("s3", "s3a"):
-        validate_s3_uri(url)
-    if protocol == "file":
-        return "file://" + os.path.abspath(rest or "/")
-    return url
-
-
-def validate_s3_uri(url: str) -> None:
-    """Reject anything but ``s3://bucket/key`` with non-empty segments and no query or fragment."""
-    if "?" in url or "#" in url:
-        raise InvalidURI("S3 URI must not carry a ?query or #fragment", file=url)
-    rest = url.split("://", 1)[1]
-    segments = rest.split("/")
-    if rest.endswith("/"):
-        segments = segments[:-1]
-    if not segments or not segments[0]:
-        raise InvalidURI("S3 URI has no bucket", file=url)
-    if any(not _S3_SEGMENT.match(segment) for segment in segments):
-        raise InvalidURI("S3 URI has an empty path segment ('//')", file=url)
-    if not 3 <= len(segments[0]) <= 63:
-        raise InvalidURI("S3 bucket names have 3 to 63 characters", file=url)
-
-
-def join_url(base: str, *names: str) -> str:
-    """``base`` + ``/name`` for each name (no normalisation of ``..``)."""
-    out = base.rstrip("/")
-    for name in names:
-        out += "/" + name.strip("/")
-    return out
-
-
-def parent_url(url: str) -> str:
-    """Everything before the last ``/`` of ``url``."""
-    head, sep, _ = url.rstrip("/").rpartition("/")
-    if not sep or head.endswith(":/"):
-        raise InvalidURI("URL has no parent folder", file=url)
-    return head
-
-
-def classify(exc: BaseException, uri: str) -> RefitError:
-    """Map an exception raised by fsspec/s3fs/botocore/aiohttp to our hierarchy."""
-    if isinstance(exc, RefitError):
-        return exc.with_context(file=uri)
-    name = type(exc).__name__
-    detail = f"{name}: {exc}"
-    code = _s3_error_code(exc)
-    if code in _NOT_FOUND_CODES or isinstance(exc, FileNotFoundError):
-        return ObjectNotFound(f"object not found ({detail})", file=uri)
-    if code in _DENIED_CODES or isinstance(exc, PermissionError):
-        return AccessDenied(f"access denied ({detail})", file=uri)
-    if code in _TRANSIENT_S3_CODES:
-        return TransientStorageError(f"transient storage error ({detail})", file=uri)
-    if isinstance(exc, (TimeoutError, ConnectionError)):
-        return TransientStorageError(f"transient storage error ({detail})", file=uri)
-    if name in _TRANSIENT_EXCEPTION_NAMES or any(
-        cls.__name__ in _TRANSIENT_EXCEPTION_NAMES for cls in type(exc).__mro__
-    ):
-        return TransientStorageError(f"transient storage error ({detail})", file=uri)
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return StoreError(f"no space left on the local disk ({detail})", file=uri)
-    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
-        return TransientStorageError(f"transient storage error ({detail})", file=uri)
-    if isinstance(exc, (ValueError, TypeError)) and "bucket" in str(exc).lower():
-        return InvalidURI(f"invalid object URL ({detail})", file=uri)
-    return PermanentStorageError(f"storage request failed ({detail})", file=uri)
-
-
-def _s3_error_code(exc: BaseException) -> str | None:
-    for candidate in (exc, exc.__cause__, exc.__context__):
-        response = getattr(candidate, "response", None)
-        if isinstance(response, dict):
-            error = response.get("Error") or {}
-            code = error.get("Code")
-            if code:
-                return str(code)
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if status:
-                return str(status)
-    return None
 
 
 class ObjectStore:
@@ -531,8 +411,3 @@ def _copy_into(src: Path, dst_fh, chunk: int = 16 * 2**20) -> None:
     with open(src, "rb") as fh:
         while block := fh.read(chunk):
             dst_fh.write(block)
-
-
-def describe(exc: BaseException) -> str:
-    """One line for logs: the error's own message, or its type and text."""
-    return str(exc) if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"

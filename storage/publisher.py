@@ -27,7 +27,8 @@ from storage.digests import canonical_json, checksum_bytes, snapshot_digest
 from storage.durable import atomic_write_json, copy_tree_files, file_identity, read_json_file, remove_tree
 from storage.errors import LineageError, ObjectNotFound
 from storage.manifests import DELTA_INDEX_FILE
-from storage.objects import ObjectStore, join_url
+from storage.objects import ObjectStore
+from storage.urls import join_url
 from storage.safetensors import encode_header, write_safetensors
 
 log = logging.getLogger("canonical_refit.publisher")

@@ -300,7 +300,10 @@ def rebuild_offline(store: LocalStore, version: str, *, workers: int) -> Verifie
 
 
 def _memo_record(store: LocalStore, version: str) -> Revision | None:
-    cached = read_json_file(store.catalog_dir / f"{version}.json")
+    try:
+        cached = read_json_file(store.catalog_dir / f"{version}.json")
+    except ValueError:  # a torn memo (written without fsync) is just missing
+        return None
     if not isinstance(cached, dict) or not isinstance(cached.get("record"), dict):
         return None
     try:

@@ -24,6 +24,18 @@ MIB = 2**20
 DEFAULT_CACHE_DIR = Path(os.path.expanduser("~/.cache/canonical-refit"))
 
 
+def _valid_url(value: str) -> str:
+    """Reject malformed object URLs (``s3://bucket//key``, ``?query``, ...) when settings are built."""
+    from storage.errors import InvalidURI
+    from storage.urls import normalize_url
+
+    try:
+        normalize_url(value)
+    except InvalidURI as exc:
+        raise ValueError(exc.reason) from None
+    return value
+
+
 def _workers_default() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -104,6 +116,11 @@ class RefitParams(BaseSettings):
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
     installer: InstallerSettings = Field(default_factory=InstallerSettings)
 
+    @field_validator("catalog")
+    @classmethod
+    def _catalog_form(cls, value: str) -> str:
+        return _valid_url(value)
+
     @field_validator("target")
     @classmethod
     def _target_form(cls, value: str) -> str:
@@ -152,6 +169,11 @@ class PublishParams(BaseSettings):
     )
     emit_event: bool = Field(True, description="emit canonical-refit.revision.published")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+
+    @field_validator("catalog", "payload_url")
+    @classmethod
+    def _url_form(cls, value: str | None) -> str | None:
+        return None if value is None else _valid_url(value)
 
     @property
     def bucket_max_bytes(self) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from flows.synthetic import ModelShape, random_model, train_step, write_checkpoint
-from storage.objects import normalize_url
+from storage.urls import normalize_url
 from storage.settings import InstallerSettings, PublishParams, RefitParams
 
 MODEL = "lab/tiny"

@@ -10,7 +10,8 @@ import pytest
 from storage.catalog import Catalog, Revision, parse_revision
 from storage.digests import canonical_json
 from storage.errors import CatalogError, ImmutableConflict, InvalidURI, LineageError
-from storage.objects import ObjectStore, normalize_url
+from storage.objects import ObjectStore
+from storage.urls import normalize_url
 
 D = {k: "sha256:" + k * 64 for k in "abcdef"}
 MODEL = "org/name"
