@@ -54,7 +54,7 @@ def test_serve_builds_three_deployments_from_the_cli_settings():
 
     assert [latest.name, on_publish.name, trainer.name] == ["refit-latest", "refit-on-publish", "publish"]
     assert [latest.flow_name, on_publish.flow_name, trainer.flow_name] == ["refit", "refit", "publish"]
-    assert latest.schedules[0].schedule.interval == timedelta(seconds=600)
+    assert latest.schedules[0].schedule.interval == timedelta(minutes=10)  # the configured schedule
     assert latest.parameters == {"params": {**CONFIGURED, "target": "latest", "only_if_newer": True}}
     assert not on_publish.schedules and not latest.triggers
     (trigger,) = on_publish.triggers
@@ -85,7 +85,7 @@ def test_the_environment_fills_in_what_the_flags_do_not_give(monkeypatch):
 
     deployments = build_deployments(params, settings)
     assert [d.name for d in deployments] == ["refit-latest-gpu3", "refit-on-publish-gpu3", "publish-gpu3"]
-    assert deployments[0].schedules[0].schedule.interval == timedelta(seconds=120)
+    assert deployments[0].schedules[0].schedule.interval == timedelta(minutes=2)
     assert deployments[0].parameters["params"]["catalog"] == "s3://bucket/catalog"
     (trigger,) = deployments[1].triggers
     assert covers(trigger, EVENT, resource_id("org/flag", "r1"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from itertools import combinations
 from pathlib import Path
 
@@ -90,7 +90,7 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             deployments = wait_until("serve to register its deployments", lambda: _deployments(client, names),
                                      120, diagnostics=diagnostics)
             on_publish, latest = deployments["refit/refit-on-publish"], deployments["refit/refit-latest"]
-            assert latest.schedules[0].schedule.interval.total_seconds() == 3600
+            assert latest.schedules[0].schedule.interval == timedelta(hours=1)
             assert latest.parameters["params"]["target"] == "latest"
 
             # the trainer publishes the launch revision and one delta; each emits the published event
