@@ -19,7 +19,6 @@ from prefect.states import Completed, Failed, State  # noqa: E402
 
 from flows.report import FAILED, POISONED, READY, SKIPPED, PrefectReporter, build_result  # noqa: E402
 from storage.errors import RefitError  # noqa: E402
-from storage.pipeline import Arrivals  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
 from tasks.activate import activate_task  # noqa: E402
 from tasks.apply_deltas import apply_deltas_task  # noqa: E402
@@ -41,13 +40,13 @@ def refit(params: RefitParams) -> State:
     reporter = PrefectReporter(params.model)
     rx = Receiver(params, installer=make_installer(params.installer), progress=reporter.progress)
     try:
-        with rx.acquire_preparation_lock() as lock:
+        with rx.preparation() as lock:
             plan = resolve_catalog_task(rx)
             if plan.superseded_by:
                 return finish(rx, reporter, SKIPPED)
             baseline = seed_checkpoint_task(rx, plan)
             indexes = fetch_index_task(rx, plan, baseline)
-            arrivals = Arrivals()  # fetch and apply overlap: a bucket is applied once it has arrived
+            arrivals = rx.arrivals()  # fetch and apply overlap: a bucket is applied once it has arrived
             fetching = fetch_buckets_task.submit(rx, plan, baseline, indexes, arrivals)
             prepared = apply_deltas_task(rx, plan, baseline, indexes, arrivals)
             fetching.result()

@@ -92,9 +92,19 @@ class Arrivals:
                 self._cond.wait()
 
     def cancel(self) -> None:
+        """The apply side gave up: waiters stop waiting and fetching starts no new download."""
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def wait_closed(self) -> None:
+        """Block until the fetch side has finished (its downloads in flight complete or fail)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed)
 
     def wait_admitted(self) -> None:
         """Block until downloads may start; raises what stopped fetching before that."""

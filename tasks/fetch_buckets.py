@@ -8,7 +8,7 @@ from pathlib import Path
 
 from storage.artifacts import DELTA, FULL
 from storage.durable import tree_size
-from storage.errors import ManifestError, RefitError
+from storage.errors import ManifestError, RefitError, StoreError
 from storage.killpoints import killpoint
 from storage.manifests import Manifest
 from storage.pipeline import Arrivals
@@ -124,6 +124,9 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
 
     def one(job_size: tuple[_Job, int]):
         job, size = job_size
+        if arrivals.cancelled:  # the apply stage already failed: do not start more downloads
+            return None, StoreError("download not started: the refit had already failed",
+                                    revision=job.manifest.version, file=job.url)
         got, error = _attempt(job, fetch, job, size)
         if error is not None:
             arrivals.failed(job.manifest.version, job.name, error)
@@ -137,7 +140,7 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
     errors += [e for _, e in fetched if e is not None]
     if errors:
         raise errors[0]
-    downloaded = sum(n for n, _ in fetched)
+    downloaded = sum(n or 0 for n, _ in fetched)
     return Artifacts(folders, len(jobs), len(reused_files), reused, downloaded, tuple(evicted))
 
 

@@ -113,6 +113,7 @@ class Receiver:
         self.report_progress = progress
         self.installer = installer
         self.lock = None
+        self._arrivals = None
 
     @property
     def objects(self) -> ObjectStore:
@@ -151,12 +152,37 @@ class Receiver:
             self._stage_view.objects = None
             self.catalog.store = self._objects
 
-    def acquire_preparation_lock(self):
-        """Exclusive store lock for stages 1-6; ``downgrade`` it to the installation fence."""
-        self.lock = self.store.exclusive(self.params.lock_timeout_s).acquire()
-        return self.lock
+    @contextmanager
+    def preparation(self) -> Iterator:
+        """Hold the store lock exclusively for stages 1-6 (``downgrade`` it for the installation fence).
+
+        On the way out, a fetch still running after a failed apply is stopped and
+        waited for before the lock goes: nothing lands in the cache unlocked.
+        """
+        lock = self.lock = self.store.exclusive(self.params.lock_timeout_s).acquire()
+        try:
+            yield lock
+        finally:
+            self._stop_fetching()
+            lock.release()  # idempotent: finish() may have released it already
+            self.lock = None
+
+    def arrivals(self):
+        """The hand-off between fetch buckets and apply deltas, which run at the same time."""
+        from storage.pipeline import Arrivals
+
+        self._arrivals = Arrivals()
+        return self._arrivals
+
+    def _stop_fetching(self) -> None:
+        if self._arrivals is not None:
+            self._arrivals.cancel()
+            self._arrivals.wait_closed()  # downloads in flight finish or fail; no new one starts
+            self._arrivals = None
 
     def release(self) -> None:
+        """Release whatever the run still holds (idempotent)."""
+        self._stop_fetching()
         if self.lock is not None:
             self.lock.release()
             self.lock = None

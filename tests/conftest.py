@@ -19,6 +19,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_BATCH_INTERVAL", "0.5")
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # stage helpers log from threads
 for key in [k for k in os.environ if k.startswith("CANONICAL_REFIT_") or k.startswith("AWS_")]:
     del os.environ[key]  # the tests build every setting themselves
 

@@ -181,7 +181,6 @@ def refit_plain(params, installer):
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from storage.pipeline import Arrivals
     from tasks.activate import activate
     from tasks.apply_deltas import apply_deltas
     from tasks.fetch_buckets import fetch_buckets
@@ -194,14 +193,14 @@ def refit_plain(params, installer):
 
     rx = Receiver(params, installer=installer)
     try:
-        with rx.acquire_preparation_lock() as lock:
+        with rx.preparation() as lock:
             _event(Path(params.cache_dir), "lock.exclusive", params.target)
             plan = resolve_catalog(rx)
             if plan.superseded_by:
                 return rx.store.active(), rx
             baseline = seed_checkpoint(rx, plan)
             indexes = fetch_index(rx, plan, baseline)
-            arrivals = Arrivals()
+            arrivals = rx.arrivals()
             with ThreadPoolExecutor(max_workers=1) as pool:
                 fetching = pool.submit(fetch_buckets, rx, plan, baseline, indexes, arrivals)
                 prepared = apply_deltas(rx, plan, baseline, indexes, arrivals)

@@ -145,7 +145,6 @@ def run_plain(params: RefitParams, installer=None, *, activate: bool = True):
     measured like the flow, without Prefect, with any installer. Returns the Receiver."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from storage.pipeline import Arrivals
     from tasks.activate import activate_task
     from tasks.apply_deltas import apply_deltas_task
     from tasks.fetch_buckets import fetch_buckets_task
@@ -159,11 +158,11 @@ def run_plain(params: RefitParams, installer=None, *, activate: bool = True):
 
     rx = Receiver(params, installer=installer or NoEngineInstaller())
     try:
-        with rx.acquire_preparation_lock() as lock:
+        with rx.preparation() as lock:
             plan = resolve_catalog_task.fn(rx)
             baseline = seed_checkpoint_task.fn(rx, plan)
             indexes = fetch_index_task.fn(rx, plan, baseline)
-            arrivals = Arrivals()  # as in the flow: fetch in its own thread, apply what arrives
+            arrivals = rx.arrivals()  # as in the flow: fetch in its own thread, apply what arrives
             with ThreadPoolExecutor(max_workers=1) as pool:
                 fetching = pool.submit(fetch_buckets_task.fn, rx, plan, baseline, indexes, arrivals)
                 prepared = apply_deltas_task.fn(rx, plan, baseline, indexes, arrivals)
