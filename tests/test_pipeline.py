@@ -192,3 +192,27 @@ def test_waiting_for_admission_raises_why_fetching_stopped():
     arrivals.abort(ObjectNotFound("gone", file="x"))
     with pytest.raises(ObjectNotFound):
         arrivals.wait_admitted()
+
+
+def test_a_cancelled_fetch_starts_no_download_and_the_lock_waits_for_it(flow_lab):
+    from storage.errors import StoreError
+    from tasks.fetch_buckets import fetch_buckets
+    from tasks.fetch_index import fetch_index
+    from tasks.receiver import Receiver
+    from tasks.resolve_catalog import resolve_catalog
+    from tasks.seed_checkpoint import seed_checkpoint
+
+    lab = flow_lab
+    lab.publish("initial")
+    lab.publish("delta", bucket_max_mib=1)
+    rx = Receiver(lab.refit_params())
+    with rx.preparation():
+        plan = resolve_catalog(rx)
+        baseline = seed_checkpoint(rx, plan)
+        indexes = fetch_index(rx, plan, baseline)
+        arrivals = rx.arrivals()
+        arrivals.cancel()  # as after a failed apply
+        with pytest.raises(StoreError, match="download not started"):
+            fetch_buckets(rx, plan, baseline, indexes, arrivals)
+    assert not list((rx.store.root / "deltas").rglob("bucket-*.safetensors"))
+    assert rx.lock is None and rx.store.state().version == "r0"
