@@ -102,15 +102,6 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def stage_table(rx: Receiver) -> str:
-    """Plain-text stage table for the CLI."""
-    rows = [r.row() for r in rx.ledger.stages.values()]
-    head = f"{'stage':<16}{'status':<8}{'seconds':>9}{'bytes':>15}{'MB/s':>9}{'requests':>9}{'retries':>8}"
-    body = [f"{r['stage']:<16}{r['status']:<8}{r['seconds']:>9.3f}{r['bytes']:>15,}{r['MB/s']:>9.1f}"
-            f"{r['requests']:>9}{r['retries']:>8}" for r in rows]
-    return "\n".join([head, *body])
-
-
 class PrefectReporter:
     """Keyed Prefect artifacts of a run: progress while it runs, table and summary at the end."""
 

@@ -66,15 +66,17 @@ class ArtifactCache:
                     atomic_write_bytes(path, index)
         return folder
 
-    def complete(self, kind: str, version: str, name: str) -> bool:
-        """True if ``name`` was fully downloaded and has not changed since."""
+    def complete_files(self, kind: str, version: str) -> set[str]:
+        """Files of ``version`` that were fully downloaded and have not changed since."""
         source = self.source(kind, version) or {}
-        recorded = (source.get("files") or {}).get(name)
-        path = self.folder(kind, version) / name
-        try:
-            return recorded is not None and file_identity(path) == recorded
-        except FileNotFoundError:
-            return False
+        folder, out = self.folder(kind, version), set()
+        for name, recorded in (source.get("files") or {}).items():
+            try:
+                if file_identity(folder / name) == recorded:
+                    out.add(name)
+            except FileNotFoundError:
+                pass
+        return out
 
     def record(self, kind: str, version: str, name: str) -> None:
         """Note that ``name`` is complete (after its size and header were checked)."""
@@ -91,7 +93,3 @@ class ArtifactCache:
         atomic_write_json(self._source_path(FULL, version),
                           {"uri": f"seed:{Path(seed_path).resolve()}", "index_sha256": None, "files": files})
 
-    def discard(self, kind: str, version: str) -> None:
-        with self._lock:
-            remove_tree(self.folder(kind, version))
-            self._source_path(kind, version).unlink(missing_ok=True)

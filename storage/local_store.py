@@ -207,16 +207,14 @@ class LocalStore:
 
     def inventory(self) -> dict[str, VerifiedCheckpoint]:
         """Every verified checkpoint whose files are intact, by version."""
+        state = self.state()
+        updating = state.source if state is not None and state.status == UPDATING else None
         out = {}
         for path in sorted((self.root / "verified").glob("*.json")):
             record = self.verified(path.stem)
-            if record is not None and not self._is_updating(record.path):
+            if record is not None and record.path != updating:
                 out[record.version] = record
         return out
-
-    def _is_updating(self, relative: str) -> bool:
-        state = self.state()
-        return state is not None and state.status == UPDATING and state.source == relative
 
     # -- chains -------------------------------------------------------------------------------
 
@@ -311,8 +309,9 @@ class LocalStore:
             current = inventory[before.version]
             if before.source == current.path and before.files == current.files:
                 return
+        active = self.active()
         candidates = []
-        for name in (before.previous if before else None, self.active().version if self.active() else None):
+        for name in (before.previous if before else None, active.version if active else None):
             if name in inventory:
                 candidates.append(inventory[name])
         if not candidates and inventory:

@@ -89,10 +89,6 @@ class TensorPlan:
     location: TensorLocation
     steps: tuple[PatchStep, ...]
 
-    @property
-    def frame_bytes(self) -> int:
-        return sum(s.end - s.start for s in self.steps)
-
 
 class PlanSource(Protocol):
     """Where ``apply_patches`` gets its work: tensor names up front, each plan when it is ready."""

@@ -81,9 +81,10 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
         kind = DELTA if manifest.is_delta else FULL
         folder = rx.artifacts.folder(kind, manifest.version)
         folders[manifest.version] = folder
-        cached = rx.artifacts.matches(kind, manifest.version, manifest.uri, manifest.raw)
+        complete = (rx.artifacts.complete_files(kind, manifest.version)
+                    if rx.artifacts.matches(kind, manifest.version, manifest.uri, manifest.raw) else set())
         for name in manifest.files:
-            if cached and rx.artifacts.complete(kind, manifest.version, name):
+            if name in complete:
                 size = (folder / name).stat().st_size
                 reused += size
                 reused_files.append((manifest.version, name))
