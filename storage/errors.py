@@ -81,6 +81,10 @@ def _rebuild(cls, reason, state):
     return err
 
 
+class Cancelled(RefitError):
+    """Work stopped on request: the run is ending (another stage failed, or it was interrupted)."""
+
+
 # --- object storage -----------------------------------------------------------
 
 
