@@ -1,0 +1,169 @@
+"""zstd frames as the receiver meets them: strict structure checks, bounded reads, validation summaries.
+
+``inspect_frame`` walks a frame's block headers without decompressing it,
+so trailing data, truncation, skippable frames, dictionaries and reserved
+block types are rejected up front; ``_Reader`` reads a frame in bounded
+pieces; ``ValidatedFrame`` is what one full validation pass proved, so the
+pass that applies a frame need not repeat it. The record layouts of the
+sparse encodings (``xor_sparse``, ``overwrite``) are defined here too.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from storage.errors import CodecError
+
+ZSTD_MAGIC = 0xFD2FB528
+BLOCK_SIZE_MAX = 128 * 1024
+_HEADER = {"xor_sparse": ("<Q", 8, "<u8"), "overwrite": ("<I", 4, "<u4")}  # count format, its size, position dtype
+
+
+def sparse_size(changed: int, encoding: str) -> int:
+    """Uncompressed record size for ``changed`` positions."""
+    _, header, pos_dtype = _HEADER[encoding]
+    return header + changed * (np.dtype(pos_dtype).itemsize + 1)
+
+
+# --- frame structure (receiver) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FrameInfo:
+    """What a frame's headers promise, checked without decompressing it."""
+
+    content_size: int | None
+    min_output: int
+    max_output: int
+
+
+def inspect_frame(frame, **context) -> FrameInfo:
+    """Validate that ``frame`` is exactly one zstd frame and bound its decoded size.
+
+    Walks the block headers (as ``ZSTD_findFrameCompressedSize`` does), so
+    trailing bytes, truncation, skippable frames, dictionaries and reserved
+    block types are rejected before a byte is decompressed.
+    """
+    view = memoryview(frame).cast("B")
+    size = view.nbytes
+    if size < 4 or struct.unpack_from("<I", view, 0)[0] != ZSTD_MAGIC:
+        raise CodecError("delta is not a zstd frame (bad magic number)", **context)
+    try:
+        params = zstandard.get_frame_parameters(view)
+        pos = zstandard.frame_header_size(view)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"zstd frame header is invalid ({exc})", **context) from None
+    if params.dict_id:
+        raise CodecError(f"zstd frame needs dictionary {params.dict_id}, which is not supported", **context)
+    content_size = None if params.content_size == zstandard.CONTENTSIZE_UNKNOWN else params.content_size
+    block_max = min(params.window_size or BLOCK_SIZE_MAX, BLOCK_SIZE_MAX)
+    min_out = max_out = 0
+    while True:
+        if pos + 3 > size:
+            raise CodecError("zstd frame is truncated (block header past the end)", **context)
+        header = view[pos] | (view[pos + 1] << 8) | (view[pos + 2] << 16)
+        last, block_type, block_size = header & 1, (header >> 1) & 3, header >> 3
+        pos += 3
+        if block_type == 3:
+            raise CodecError("zstd frame has a reserved block type", **context)
+        if block_size > block_max:
+            raise CodecError(f"zstd block of {block_size} bytes exceeds the {block_max}-byte maximum", **context)
+        if block_type == 0:  # raw
+            pos += block_size
+            min_out += block_size
+            max_out += block_size
+        elif block_type == 1:  # RLE: one byte repeated block_size times
+            pos += 1
+            min_out += block_size
+            max_out += block_size
+        else:  # compressed
+            pos += block_size
+            max_out += block_max
+        if pos > size:
+            raise CodecError("zstd frame is truncated (block runs past the end)", **context)
+        if last:
+            break
+    if params.has_checksum:
+        pos += 4
+    if pos > size:
+        raise CodecError("zstd frame is truncated (content checksum missing)", **context)
+    if pos != size:
+        raise CodecError(f"{size - pos} bytes of trailing data after the zstd frame", **context)
+    if content_size is not None:
+        if min_out > content_size:  # raw/RLE blocks alone outgrow what the header declares
+            raise CodecError(f"zstd frame declares {content_size} decoded bytes but its blocks decode to at "
+                             f"least {min_out}", **context)
+        min_out = max_out = content_size
+    return FrameInfo(content_size, min_out, max_out)
+
+
+def _expect_output(info: FrameInfo, expected: int, **context) -> None:
+    if info.content_size is not None and info.content_size != expected:
+        raise CodecError(f"zstd frame declares {info.content_size} decoded bytes, expected {expected}", **context)
+    if info.min_output > expected:
+        raise CodecError(f"zstd frame decodes to at least {info.min_output} bytes, more than {expected}", **context)
+    if info.max_output < expected:
+        raise CodecError(f"zstd frame decodes to at most {info.max_output} bytes, fewer than {expected}", **context)
+
+
+class _Reader:
+    """Bounded reads from one zstd frame; zstd errors become ``CodecError``."""
+
+    def __init__(self, frame, context: dict):
+        self.context = context
+        self._reader = zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False)
+        self.position = 0
+
+    def read_into(self, buf: memoryview) -> int:
+        total, want = 0, buf.nbytes
+        try:
+            while total < want:
+                got = self._reader.readinto(buf[total:])
+                if not got:
+                    break
+                total += got
+        except zstandard.ZstdError as exc:
+            raise CodecError(f"corrupt zstd data ({exc})", **self.context) from None
+        self.position += total
+        return total
+
+    def read_exact(self, n: int, what: str) -> memoryview:
+        buf = memoryview(bytearray(n))
+        got = self.read_into(buf)
+        if got != n:
+            raise CodecError(f"{what} ends after {self.position} decoded bytes", **self.context)
+        return buf
+
+    def skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 4 * 2**20) or 1))
+        while n:
+            step = min(n, scratch.nbytes)
+            if self.read_into(scratch[:step]) != step:
+                raise CodecError(f"frame ends after {self.position} decoded bytes", **self.context)
+            n -= step
+
+    def at_end(self) -> bool:
+        return self.read_into(memoryview(bytearray(1))) == 0
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+@dataclass(frozen=True)
+class ValidatedFrame:
+    """What one full validation pass proved about a frame, so the decoder that applies it can skip the pass.
+
+    ``count`` is a sparse record's number of entries (None for dense ``xor``);
+    ``ordered`` says its positions never decrease, so it can be applied while
+    it streams (an unordered ``overwrite`` record is decoded whole, hence capped).
+    """
+
+    encoding: str
+    nbytes: int
+    frame_size: int
+    count: int | None = None
+    ordered: bool = True

@@ -1,0 +1,354 @@
+"""Sparse delta records (``xor_sparse``, ``overwrite``; docs/format.md, section 5), validated and applied in bounded memory.
+
+A record is a count, ``count`` positions, then ``count`` values. A zstd frame
+of a few KiB can decode to a record of 5 or 9 bytes per tensor byte, so no
+record is held whole when its positions are sorted (the publisher always
+sorts them): validation streams it once, chunk by chunk, and applying reads
+positions and values through two streaming readers, a chunk at a time, in
+step with the tensor's blocks. Extra memory: about ``CHUNK`` entries plus the
+block, whatever the count.
+
+``overwrite`` positions may also come unsorted. Such a record is decoded
+whole and sorted (9 bytes per entry), so its count is capped at
+``unsorted_cap(nbytes)`` = max(nbytes // 8, 65536): about one tensor's size.
+
+Repeated ``overwrite`` positions: the later entry in record order wins, as a
+sequential writer would. Entries are reduced to the last one per position
+before anything is written, so no write relies on NumPy's unspecified order
+for duplicate fancy indices, and the undo log holds one byte per distinct
+changed position (at most the tensor's size); undo re-derives the positions
+by decoding the frame again.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Iterator
+
+import numpy as np
+
+from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
+from storage.errors import CodecError
+
+CHUNK = 1 << 18  # entries per streamed chunk (2 MiB of u64 positions)
+UNSORTED_MIN_CAP = 1 << 16
+
+
+def unsorted_cap(nbytes: int) -> int:
+    """Most entries an unsorted ``overwrite`` record may hold: decoding one whole costs 9 bytes per entry."""
+    return max(nbytes // 8, UNSORTED_MIN_CAP)
+
+
+def _width(encoding: str) -> tuple[str, int, str, int]:
+    fmt, header, dtype = _HEADER[encoding]
+    return fmt, header, dtype, np.dtype(dtype).itemsize
+
+
+def _sparse_header(frame, nbytes: int, encoding: str, context: dict) -> int:
+    """The record's count, checked against the tensor and the frame's declared size."""
+    info = inspect_frame(frame, **context)
+    count = _read_count(frame, encoding, context)
+    if count > nbytes:
+        raise CodecError(f"{encoding} record claims {count} positions for a {nbytes}-byte tensor", **context)
+    expected = sparse_size(count, encoding)
+    if info.content_size is not None and info.content_size != expected:
+        raise CodecError(f"{encoding} record of {count} positions should be {expected} bytes, "
+                         f"the frame declares {info.content_size}", **context)
+    _expect_output(info, expected, **context)
+    return count
+
+
+def _read_count(frame, encoding: str, context: dict, reader: _Reader | None = None) -> int:
+    fmt, header, _ = _HEADER[encoding]
+    own = reader is None
+    if reader is None:
+        reader = _Reader(frame, context)
+    try:
+        return struct.unpack(fmt, reader.read_exact(header, f"{encoding} record header"))[0]
+    finally:
+        if own:
+            reader.close()
+
+
+def _in_order(pos: np.ndarray, previous: int, strict: bool) -> bool:
+    if strict:
+        return int(pos[0]) > previous and bool(np.all(pos[1:] > pos[:-1]))
+    return int(pos[0]) >= previous and bool(np.all(pos[1:] >= pos[:-1]))
+
+
+def _outside(encoding: str, position: int, nbytes: int, context: dict) -> CodecError:
+    return CodecError(f"{encoding} position {position} is outside the {nbytes}-byte tensor", **context)
+
+
+def _over_cap(count: int, nbytes: int, context: dict) -> CodecError:
+    return CodecError(f"overwrite record has {count} unsorted positions, over the cap of {unsorted_cap(nbytes)} "
+                      f"for a {nbytes}-byte tensor (max(nbytes // 8, {UNSORTED_MIN_CAP}); sorted records have "
+                      f"no cap)", **context)
+
+
+def validate_sparse(encoding: str, frame, nbytes: int, context: dict) -> ValidatedFrame:
+    """One streaming pass over the whole record: count, lengths, bounds, order, the unsorted cap."""
+    count = _sparse_header(frame, nbytes, encoding, context)
+    _, header, dtype, width = _width(encoding)
+    strict = encoding == "xor_sparse"
+    ordered, previous, left = True, -1, count
+    reader = _Reader(frame, context)
+    try:
+        reader.skip(header)
+        while left:
+            n = min(left, CHUNK)
+            pos = np.frombuffer(reader.read_exact(width * n, f"{encoding} positions"), dtype=dtype)
+            if ordered and not _in_order(pos, previous, strict):
+                if strict:
+                    raise CodecError("xor_sparse positions are not strictly increasing", **context)
+                if count > unsorted_cap(nbytes):
+                    raise _over_cap(count, nbytes, context)
+                ordered = False
+            top = int(pos[-1]) if ordered else int(pos.max())
+            if top >= nbytes:
+                raise _outside(encoding, top, nbytes, context)
+            previous, left = int(pos[-1]), left - n
+        reader.skip(count)
+        if not reader.at_end():
+            raise CodecError(f"{encoding} record is longer than its count implies", **context)
+    finally:
+        reader.close()
+    return ValidatedFrame(encoding, nbytes, memoryview(frame).nbytes, count, ordered)
+
+
+# --- entry sources: strictly increasing int64 positions (one per position) and their values, chunk by chunk ----
+
+
+class _SortedStream:
+    """A sorted record read as it is applied; order, bounds and lengths are re-checked per chunk."""
+
+    def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool):
+        self.encoding, self.nbytes, self.context = validated.encoding, validated.nbytes, context
+        _, header, self._dtype, self._width = _width(self.encoding)
+        self._strict = self.encoding == "xor_sparse"
+        self._positions = _Reader(frame, context)
+        self._values: _Reader | None = None
+        try:
+            count = _read_count(frame, self.encoding, context, self._positions)
+            if count != validated.count:
+                raise CodecError(f"{self.encoding} record holds {count} entries, validated with "
+                                 f"{validated.count}", **context)
+            if values:
+                self._values = _Reader(frame, context)
+                self._values.skip(header + self._width * count)
+        except BaseException:
+            self.close()
+            raise
+        self._left, self._previous = count, -1
+        self._carry: tuple[np.ndarray, np.ndarray | None] | None = None  # last entry, until the next chunk
+
+    def next(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        while self._left:
+            n = min(self._left, CHUNK)
+            raw = np.frombuffer(self._positions.read_exact(self._width * n, f"{self.encoding} positions"),
+                                dtype=self._dtype)
+            val = (np.frombuffer(self._values.read_exact(n, f"{self.encoding} values"), dtype=np.uint8)
+                   if self._values is not None else None)
+            self._left -= n
+            if not _in_order(raw, self._previous, self._strict):
+                order = "strictly increasing" if self._strict else "sorted, as validated"
+                raise CodecError(f"{self.encoding} positions are not {order}", **self.context)
+            if int(raw[-1]) >= self.nbytes:
+                raise _outside(self.encoding, int(raw[-1]), self.nbytes, self.context)
+            self._previous = int(raw[-1])
+            pos = raw.astype(np.int64)
+            if self._strict:
+                return pos, val
+            if self._carry is not None:  # overwrite: a position may repeat across chunks
+                pos = np.concatenate([self._carry[0], pos])
+                val = None if val is None else np.concatenate([self._carry[1], val])
+            keep = np.empty(pos.size, dtype=bool)
+            np.not_equal(pos[1:], pos[:-1], out=keep[:-1])
+            keep[-1] = False  # held back: the next chunk may repeat it
+            self._carry = (pos[-1:], None if val is None else val[-1:].copy())
+            if keep.any():
+                return pos[keep], None if val is None else val[keep]
+        carry, self._carry = self._carry, None
+        return carry
+
+    def check_end(self) -> None:
+        """After the last entry: the values must end exactly where the record does."""
+        if not self._left and self._carry is None and self._values is not None and not self._values.at_end():
+            raise CodecError(f"{self.encoding} record is longer than its count implies", **self.context)
+
+    def close(self) -> None:
+        self._positions.close()
+        if self._values is not None:
+            self._values.close()
+
+
+class _UnsortedRecord:
+    """An unsorted ``overwrite`` record (count within the cap), decoded whole and sorted by (position, entry)."""
+
+    def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool):
+        count, nbytes = validated.count or 0, validated.nbytes
+        if count > unsorted_cap(nbytes):
+            raise _over_cap(count, nbytes, context)
+        keys = np.empty(count, dtype=np.uint64)  # position << 32 | entry index: sorting keeps record order
+        self._values: np.ndarray | None = np.empty(count, dtype=np.uint8) if values else None
+        reader = _Reader(frame, context)
+        try:
+            if _read_count(frame, "overwrite", context, reader) != count:
+                raise CodecError(f"overwrite record does not hold the {count} entries it was validated with",
+                                 **context)
+            for start in range(0, count, CHUNK):
+                n = min(CHUNK, count - start)
+                pos = np.frombuffer(reader.read_exact(4 * n, "overwrite positions"), dtype="<u4")
+                if int(pos.max()) >= nbytes:
+                    raise _outside("overwrite", int(pos.max()), nbytes, context)
+                part = keys[start:start + n]
+                part[:] = pos
+                part <<= np.uint64(32)
+                part |= np.arange(start, start + n, dtype=np.uint64)
+            if self._values is not None and reader.read_into(memoryview(self._values)) != count:
+                raise CodecError(f"overwrite values end after {reader.position} decoded bytes", **context)
+        finally:
+            reader.close()
+        keys.sort()
+        self._keys, self._next = keys, 0
+
+    def next(self) -> tuple[np.ndarray, np.ndarray | None] | None:
+        keys, a = self._keys, self._next
+        if a >= keys.size:
+            return None
+        b = self._next = min(a + CHUNK, keys.size)
+        pos = (keys[a:b] >> np.uint64(32)).astype(np.int64)
+        keep = np.empty(pos.size, dtype=bool)
+        np.not_equal(pos[1:], pos[:-1], out=keep[:-1])
+        keep[-1] = b == keys.size or int(keys[b] >> np.uint64(32)) != int(pos[-1])  # the group's last entry wins
+        if self._values is None:
+            return pos[keep], None
+        entries = (keys[a:b][keep] & np.uint64(0xFFFFFFFF)).astype(np.intp)
+        return pos[keep], self._values[entries]
+
+    def check_end(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._keys, self._values = np.empty(0, dtype=np.uint64), None
+
+
+class _Cursor:
+    """Walks a source's entries in position order, one position range (a block) at a time."""
+
+    def __init__(self, source: _SortedStream | _UnsortedRecord):
+        self.source = source
+        self.reached = 0  # no entry below this position can be returned any more
+        self._pos = np.empty(0, dtype=np.int64)
+        self._val: np.ndarray | None = None
+        self._i = 0
+
+    def entries(self, start: int, end: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+        """Entries with start <= position < end, a chunk at a time; those below ``start`` are passed over."""
+        self.reached = end
+        while True:
+            if self._i == self._pos.size:
+                chunk = self.source.next()
+                if chunk is None:
+                    return
+                (self._pos, self._val), self._i = chunk, 0
+            pos = self._pos
+            lo = self._i + int(np.searchsorted(pos[self._i:], start))
+            hi = lo + int(np.searchsorted(pos[lo:], end))
+            self._i = hi
+            if hi > lo:
+                yield pos[lo:hi], None if self._val is None else self._val[lo:hi]
+            if hi < pos.size:
+                return
+
+
+# --- decoders ------------------------------------------------------------------------------------------------
+
+
+class _SparseDecoder:
+    """Shared plumbing: sources are opened on first use, so a decoder built only to be closed costs nothing."""
+
+    def __init__(self, frame, nbytes: int, *, validated: ValidatedFrame, **context):
+        self.frame, self.nbytes, self.validated, self.context = frame, nbytes, validated, context
+        self._cursor: _Cursor | None = None
+        self._applied_to = 0
+
+    def _source(self, *, values: bool) -> _SortedStream | _UnsortedRecord:
+        kind = _SortedStream if self.validated.ordered else _UnsortedRecord
+        return kind(self.frame, self.validated, self.context, values=values)
+
+    def _entries(self, block: np.ndarray, offset: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        if offset != self._applied_to:
+            raise ValueError(f"blocks must be applied in order from 0: expected offset {self._applied_to}, "
+                             f"got {offset}")
+        self._applied_to = offset + block.size
+        if self._cursor is None:
+            self._cursor = _Cursor(self._source(values=True))
+        for pos, val in self._cursor.entries(offset, offset + block.size):
+            yield pos - offset, val
+
+    def finish(self) -> None:
+        try:
+            if self._cursor is not None:
+                self._cursor.source.check_end()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._cursor is not None:
+            self._cursor.source.close()
+            self._cursor = None
+
+
+class SparseXor(_SparseDecoder):
+    """``xor_sparse``: u64 count, strictly increasing u64 positions, u8 values XORed in; streamed."""
+
+    def apply(self, block: np.ndarray, offset: int) -> None:
+        for index, values in self._entries(block, offset):
+            block[index] ^= values
+
+
+class SparseOverwrite(_SparseDecoder):
+    """``overwrite``: u32 count, u32 positions (any order), u8 values that replace the base bytes.
+
+    Keeps the bytes it replaced (one per distinct position) so ``undo`` can
+    put them back; the positions are re-derived from the frame on undo.
+    """
+
+    def __init__(self, frame, nbytes: int, *, validated: ValidatedFrame, **context):
+        super().__init__(frame, nbytes, validated=validated, **context)
+        self._replaced: dict[int, np.ndarray] = {}
+        self._undo: _Cursor | None = None
+
+    def apply(self, block: np.ndarray, offset: int) -> None:
+        saved = []
+        for index, values in self._entries(block, offset):
+            saved.append(block[index])  # fancy indexing copies
+            block[index] = values  # distinct indices: one entry per position
+        if saved:
+            self._replaced[offset] = saved[0] if len(saved) == 1 else np.concatenate(saved)
+
+    def undo(self, block: np.ndarray, offset: int) -> None:
+        """Put back the bytes ``apply`` replaced in the block at ``offset`` (blocks in any order)."""
+        saved = self._replaced.pop(offset, None)
+        if saved is None:
+            return
+        if self._undo is None or self._undo.reached > offset:  # behind the cursor: decode from the start
+            self._close_undo()
+            self._undo = _Cursor(self._source(values=False))
+        done = 0
+        for pos, _ in self._undo.entries(offset, offset + block.size):
+            index = pos - offset
+            if done + index.size > saved.size:
+                break
+            block[index] = saved[done:done + index.size]
+            done += index.size
+        if not self._replaced:
+            self._close_undo()
+        if done != saved.size:
+            raise CodecError("overwrite frame no longer matches the bytes saved to undo it", **self.context)
+
+    def _close_undo(self) -> None:
+        if self._undo is not None:
+            self._undo.source.close()
+            self._undo = None
