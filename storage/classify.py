@@ -2,7 +2,10 @@
 
 Transient (worth retrying with backoff): timeouts, throttling, 5xx, resets,
 short bodies. Permanent (raised at once, URI in the message): missing object,
-access denied, invalid request.
+access denied, invalid request. ``classify`` is for errors of remote calls
+only; an error of a local file (a download's partial file, an upload's
+source) goes through ``local_error`` instead, so it is never mistaken for a
+missing object and never retried.
 """
 
 from __future__ import annotations
@@ -61,6 +64,21 @@ def classify(exc: BaseException, uri: str) -> RefitError:
     if isinstance(exc, (ValueError, TypeError)) and "bucket" in str(exc).lower():
         return InvalidURI(f"invalid object URL ({detail})", file=uri)
     return PermanentStorageError(f"storage request failed ({detail})", file=uri)
+
+
+def local_error(exc: OSError, path, uri: str, doing: str) -> StoreError:
+    """A local file's I/O error (ENOENT, ENOSPC, EIO, ...) while ``doing``: a ``StoreError`` naming ``path``."""
+    detail = f"{type(exc).__name__}: {exc}"
+    if exc.errno == errno.ENOSPC:
+        reason = f"no space left on the local disk while {doing} ({detail})"
+    else:
+        reason = f"local file error while {doing} ({detail})"
+    return StoreError(reason, file=uri, local_file=str(path))
+
+
+def s3_error_code(exc: BaseException) -> str | None:
+    """The S3 error code (or HTTP status) behind ``exc``, if it carries a botocore response."""
+    return _s3_error_code(exc)
 
 
 def _s3_error_code(exc: BaseException) -> str | None:

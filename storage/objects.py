@@ -2,17 +2,18 @@
 
 ``ObjectStore`` turns a URL (``s3://``, ``file://``, ``memory://``, any other
 fsspec protocol, or a plain local path) into a filesystem and a path, and
-offers the handful of operations the pipeline needs: bounded reads, streamed
-downloads into local files, create-only writes and listings. Every call is
-classified into transient errors (retried with bounded exponential backoff and
-counted in ``TransferStats``) and permanent ones (raised at once, URI in the
-message). Nothing outside this module branches on the protocol.
+offers the handful of operations the pipeline needs: bounded reads, ranged
+resumable downloads into local files, create-only writes (concurrent multipart
+uploads on S3) and listings. Every request is classified into transient errors
+(retried with bounded exponential backoff and counted in ``TransferStats``)
+and permanent ones (raised at once, URI in the message). Data requests share
+one connection budget per store (``storage.transfer``). Nothing outside this
+module branches on the protocol.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -24,12 +25,14 @@ from typing import Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.durable import fsync_dir
+from storage.durable import atomic_write_bytes, create_only_write
 from storage.errors import (
     ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
-from storage.classify import classify
+from storage.classify import classify, local_error
 from storage.settings import ObjectStoreSettings
+from storage import transfer
+from storage.transfer import ConnectionBudget, FsspecSource, LocalSource, S3Multipart, S3Source
 from storage.urls import join_url, normalize_url
 
 log = logging.getLogger("canonical_refit.objects")
@@ -77,12 +80,13 @@ class ObjectStore:
         self.stats = stats or TransferStats()
         self._filesystems: dict[str, fsspec.AbstractFileSystem] = {}
         self._fs_lock = threading.Lock()
+        self.budget = ConnectionBudget(self.settings.concurrency)  # every GET body and upload part
 
     def with_stats(self, stats: TransferStats) -> "ObjectStore":
-        """A view of this store that shares its filesystems but counts into ``stats``."""
+        """A view of this store that shares its filesystems and budget but counts into ``stats``."""
         view = ObjectStore.__new__(ObjectStore)
         view.settings, view.stats = self.settings, stats
-        view._filesystems, view._fs_lock = self._filesystems, self._fs_lock
+        view._filesystems, view._fs_lock, view.budget = self._filesystems, self._fs_lock, self.budget
         return view
 
     # -- resolution ------------------------------------------------------------
@@ -106,13 +110,16 @@ class ObjectStore:
             config = {
                 "connect_timeout": s.connect_timeout_s,
                 "read_timeout": s.read_timeout_s,
-                "max_pool_connections": s.max_pool_connections,
+                "max_pool_connections": max(s.max_pool_connections, s.concurrency),
                 # botocore's ``max_attempts`` counts retries, not attempts: ``total_max_attempts``
                 # 1 turns its retries off, so our loop owns them and counts every one
                 "retries": {"total_max_attempts": 1, "mode": "standard"},
             }
+            # integrity comes from the CRC32 checksum botocore sends with every upload; a SHA-256 of
+            # each payload (botocore's default over plain http only) would cost a CPU-second per GB
+            config["s3"] = {"payload_signing_enabled": False}
             if s.addressing_style != "auto":
-                config["s3"] = {"addressing_style": s.addressing_style}
+                config["s3"]["addressing_style"] = s.addressing_style
             fs = s3fs.S3FileSystem(
                 anon=s.anonymous,
                 endpoint_url=s.endpoint_url,
@@ -136,10 +143,21 @@ class ObjectStore:
     def is_local(fs: fsspec.AbstractFileSystem) -> bool:
         return isinstance(fs, LocalFileSystem)
 
+    def _source(self, fs: fsspec.AbstractFileSystem, path: str):
+        """How to read an object: ranged S3 GETs, ranged reads of another remote filesystem, or a plain copy."""
+        if self.is_local(fs) or "memory" in _protocols(fs):
+            return LocalSource(fs, path)
+        if "s3" in _protocols(fs):
+            return S3Source(fs, path)
+        return FsspecSource(fs, path)
+
     # -- retries -----------------------------------------------------------------
 
-    def call(self, what: str, url: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` with bounded exponential backoff on transient errors."""
+    def call(self, what: str, url: str, fn: Callable[[], T], *, check: Callable[[], None] | None = None) -> T:
+        """Run ``fn`` with bounded exponential backoff on transient errors.
+
+        ``check`` (raising ``Cancelled``) is called while waiting between attempts.
+        """
         s = self.settings
         for attempt in range(1, s.retry_attempts + 1):
             self.stats.add(attempts=1)
@@ -158,9 +176,9 @@ class ObjectStore:
                 delay = min(s.backoff_max_s, s.backoff_initial_s * 2 ** (attempt - 1))
                 delay *= 0.5 + random.random() / 2
                 self.stats.add(retries=1, backoff_s=delay)
-                log.warning("%s of %s failed (attempt %d/%d), retrying in %.2fs: %s",
+                log.warning("%s of %s failed (attempt %d/%d), retrying in %.2f s: %s",
                             what, url, attempt, s.retry_attempts, delay, err.reason)
-                time.sleep(delay)
+                _sleep(delay, check)
         raise AssertionError("unreachable")
 
     # -- reads ---------------------------------------------------------------------
@@ -204,37 +222,21 @@ class ObjectStore:
         self.stats.add(bytes_read=len(data))
         return data
 
-    def download(self, url: str, dest: Path, *, expected_size: int | None = None,
-                 max_size: int | None = None) -> int:
-        """Stream an object into ``dest`` (via a temp file), checking its size; returns bytes.
+    def download(self, url: str, dest: Path, *, expected_size: int | None = None, max_size: int | None = None,
+                 cancel: threading.Event | None = None, progress: Callable[[int], None] | None = None) -> int:
+        """Fetch an object into ``dest`` (it appears whole or not at all); returns its size in bytes.
 
-        ``expected_size`` (from an earlier ``size``) saves a HEAD request; a body
-        shorter than it is a transient error, so the download is retried.
+        ``expected_size`` (from an earlier ``size``) saves a HEAD for objects of
+        at most one ``range_size``; a body shorter than it is a transient error,
+        so the request is retried. A larger remote object is fetched as ranges
+        in parallel, and a download interrupted in any way (even SIGKILL)
+        resumes from its recorded ranges (``storage.transfer``). ``cancel`` set
+        stops it within one chunk (``Cancelled``); ``progress(n)`` is told of
+        bytes as they land. Local file errors raise ``StoreError`` naming the file.
         """
         fs, path = self.locate(url)
-        dest = Path(dest)
-        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.part")
-
-        def fetch() -> int:
-            expected = int(fs.size(path)) if expected_size is None else expected_size
-            if max_size is not None and expected > max_size:
-                raise PermanentStorageError(f"object is {expected} bytes, more than the {max_size} allowed", file=url)
-            try:
-                fs.get_file(path, str(tmp))
-                got = tmp.stat().st_size
-                if got != expected:
-                    raise TransientStorageError(f"download returned {got} bytes, the object has {expected}", file=url)
-                with open(tmp, "rb+") as fh:
-                    os.fsync(fh.fileno())
-                os.replace(tmp, dest)
-            finally:
-                tmp.unlink(missing_ok=True)
-            return expected
-
-        size = self.call("download", url, fetch)
-        fsync_dir(dest.parent)
-        self.stats.add(bytes_read=size)
-        return size
+        return transfer.download(self, self._source(fs, path), url, Path(dest), expected_size=expected_size,
+                                 max_size=max_size, cancel=cancel, progress=progress)
 
     def list_names(self, url: str, suffix: str = "") -> list[str]:
         """Base names of the objects directly under ``url`` that end with ``suffix``."""
@@ -254,7 +256,25 @@ class ObjectStore:
         names = self.call("list", url, listing)
         return sorted(n for n in names if n.endswith(suffix))
 
-    # -- create-only writes -----------------------------------------------------------
+    # -- writes ------------------------------------------------------------------------
+
+    def put_replace(self, url: str, data: bytes) -> None:
+        """Write ``url`` whole, replacing what is there (for mutable objects such as a node's own record).
+
+        Atomic for readers: a local file is replaced by rename, an S3 object by one PUT.
+        """
+        fs, path = self.locate(url)
+        data = bytes(data)
+
+        def put() -> None:
+            if self.is_local(fs):
+                atomic_write_bytes(Path(path), data)
+            else:
+                fs.pipe_file(path, data)
+
+        self.call("write", url, put)
+        self.stats.add(bytes_written=len(data))
+
 
     def put_immutable(self, url: str, data: bytes) -> bool:
         """Create ``url`` with ``data``; True if written, False if identical bytes were there.
@@ -267,7 +287,8 @@ class ObjectStore:
         def put() -> bool:
             try:
                 if self.is_local(fs):
-                    _local_create(Path(path), lambda fh: fh.write(data))
+                    if not create_only_write(Path(path), lambda fh: fh.write(data)):
+                        raise FileExistsError(path)
                 else:
                     fs.pipe_file(path, data, mode="create")
                 return True
@@ -287,21 +308,27 @@ class ObjectStore:
         """Create ``url`` from a local file; same semantics as ``put_immutable``.
 
         On S3 a file under two parts is one conditional PUT, a larger one a
-        multipart upload of ``block_size`` parts whose completion is
-        conditional; memory holds at most about two parts. A large file whose
-        key already exists (a republish after a crash) is compared, not uploaded again.
+        multipart upload of ``block_size`` parts sent in parallel on the
+        connection budget, whose completion is conditional; a failed one is
+        aborted. A large file whose key already exists (a republish after a
+        crash) is compared, not uploaded again.
         """
         fs, path = self.locate(url)
         local = Path(local)
-        size = local.stat().st_size
+        try:
+            size = local.stat().st_size
+        except OSError as exc:
+            raise local_error(exc, local, url, "reading the file to upload") from exc
         part = self.settings.block_size
+        multipart = size >= 2 * part and "s3" in _protocols(fs)
 
         def put() -> bool:
             try:
                 if self.is_local(fs):
-                    _local_create(Path(path), lambda fh: _copy_into(local, fh))
+                    if not create_only_write(Path(path), lambda fh: _copy_into(local, fh)):
+                        raise FileExistsError(path)
                 elif "s3" in _protocols(fs):
-                    fs.put_file(str(local), path, mode="create", chunksize=part)
+                    fs.put_file(str(local), path, mode="create", chunksize=part)  # under 2 parts: one PUT
                 else:
                     fs.put_file(str(local), path, mode="create")
                 return True
@@ -309,9 +336,14 @@ class ObjectStore:
                 return False
 
         exists = size >= 2 * part and not self.is_local(fs) and self.exists(url)
-        if not exists and self.call("create-only upload", url, put):
-            self.stats.add(bytes_written=size)
-            return True
+        if not exists:
+            if multipart:
+                created = transfer.upload_parts(self, S3Multipart(fs, path), url, local, part)
+            else:
+                created = self.call("create-only upload", url, put)
+            if created:
+                self.stats.add(bytes_written=size)
+                return True
         if self.size(url) != size or not self._same_content(url, local):
             raise ImmutableConflict("a different object is already published here", file=url)
         return False
@@ -381,6 +413,18 @@ class ObjectStore:
         return enforced
 
 
+def _sleep(seconds: float, check: Callable[[], None] | None) -> None:
+    """Sleep, calling ``check`` (which may raise) every 50 ms."""
+    if check is None:
+        time.sleep(seconds)
+        return
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        check()
+        time.sleep(min(left, 0.05))
+    check()
+
+
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
     return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
 
@@ -390,21 +434,6 @@ def _server_of(fs: fsspec.AbstractFileSystem) -> str:
     if "s3" in _protocols(fs):
         return str(fs.connect().meta.endpoint_url)  # builds the client, sends no request
     return _protocols(fs)[0]
-
-
-def _local_create(path: Path, write: Callable) -> None:
-    """Exclusive, atomic, durable create of a local file (temp, fsync, link)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.link(tmp, path)  # fails with EEXIST instead of replacing
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
 
 
 def _copy_into(src: Path, dst_fh, chunk: int = 16 * 2**20) -> None:

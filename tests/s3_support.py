@@ -5,50 +5,44 @@
 127.0.0.1 at a free port, and stops it by PID. moto enforces
 ``If-None-Match: *`` (412), which is what publication semantics need.
 
-``FaultProxy`` is a small HTTP/1.1 proxy on 127.0.0.1 that forwards to the
-server and, for a configurable share of requests, answers ``503 SlowDown`` or
-``500 InternalError``, resets the connection, stalls past the client's read
-timeout, or truncates the response body. Faults are bounded: a request (same
-method, path, query and range) is faulted at most ``max_per_key`` times, so a
-client that retries enough always gets through. It can also deny paths with
-``403 AccessDenied`` or ``404 NoSuchKey`` and strip conditional-write headers (the behaviour of
-servers that overwrite silently). Every request is logged for assertions.
-The proxy stops itself after ``lifetime_s``.
+``FaultProxy`` (from ``benchmarks/_s3proxy.py``, shared with the transfer
+benchmark) is an HTTP/1.1 proxy on 127.0.0.1 that forwards to the server and
+injects bounded faults (503, 500, resets, stalls, truncated bodies, 403/404,
+stripped conditional headers), can cap each connection's bandwidth and delay
+every response like real S3, and logs every request (Range, body bytes sent,
+start and end times) for assertions.
 
 Run ``python tests/s3_support.py crash-publish ...`` to publish in a process that
-is SIGKILLed right before it would write the catalog record.
+is SIGKILLed right before it would write the catalog record, and
+``python tests/s3_support.py transfer download|upload ...`` to download or
+upload in a process a test can SIGKILL mid-transfer.
 """
 
 from __future__ import annotations
 
 import http.client
 import os
-import random
 import signal
 import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
-from urllib.parse import urlsplit
 
 import pytest
 
-from storage.settings import ObjectStoreSettings
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, too
+
+from benchmarks._s3proxy import FAULT_KINDS, FaultProxy, Faults, Request, peak_open  # noqa: E402,F401
+from storage.settings import ObjectStoreSettings  # noqa: E402
 
 BUCKET = "refit-e2e"
 ACCESS_KEY_ID = "canonical-refit-test"
 SECRET_ACCESS_KEY = "canonical-refit-test-secret"
 REGION = "us-east-1"
-FAULT_KINDS = ("slowdown", "error500", "reset", "stall", "truncate")
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
-               "upgrade", "expect", "host"}
 
 
 def free_port() -> int:
@@ -140,263 +134,6 @@ class MotoServer:
             raise RuntimeError(f"CreateBucket {name}: {response.status} {body[:300]!r}")
 
 
-# -- the fault-injecting proxy ------------------------------------------------------------------
-
-
-@dataclass
-class Faults:
-    """What the proxy does to requests. ``rate`` is the share of requests that get a fault."""
-
-    rate: float = 0.0
-    kinds: tuple[str, ...] = FAULT_KINDS
-    max_per_key: int = 2          # a given request is faulted at most this many times
-    max_total: int = 200
-    stall_s: float = 2.0          # longer than the client's read timeout
-    seed: int = 0
-    deny: tuple[str, ...] = ()    # path substrings answered 403 AccessDenied
-    missing: tuple[str, ...] = ()  # path substrings answered 404 NoSuchKey
-    strip_conditional: bool = False  # drop If-None-Match/If-Match: a server that overwrites silently
-    get_latency_s: float = 0.0    # hold object GETs this long (makes concurrent fetches overlap) ...
-    latency_suffix: str = ""      # ... those whose path ends with this; counted in max_in_flight_gets
-
-
-@dataclass
-class Request:
-    method: str
-    path: str
-    query: str
-    range: str | None
-    fault: str | None
-    status: int | None
-
-
-@dataclass
-class FaultProxy:
-    """A bounded fault-injecting HTTP proxy on 127.0.0.1 in front of ``upstream``."""
-
-    upstream: str
-    faults: Faults = field(default_factory=Faults)
-    lifetime_s: float = 300.0
-    log: list[Request] = field(default_factory=list)
-
-    def __post_init__(self):
-        parts = urlsplit(self.upstream)
-        self._upstream = (parts.hostname, parts.port)
-        self._lock = threading.Lock()
-        self._rng = random.Random(self.faults.seed)
-        self._per_key: dict[tuple, int] = {}
-        self._injected = 0
-        self._in_flight = 0
-        self.max_in_flight_gets = 0
-        self._stopping = threading.Event()
-        proxy = self
-
-        class Handler(_ProxyHandler):
-            owner = proxy
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="fault-proxy", daemon=True)
-        self._timer = threading.Timer(self.lifetime_s, self.stop)
-        self._timer.daemon = True
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> "FaultProxy":
-        self._thread.start()
-        self._timer.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop serving (idempotent); stalled handlers wake up and close their connections."""
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
-        self._timer.cancel()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
-
-    def __enter__(self) -> "FaultProxy":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    # -- bookkeeping -------------------------------------------------------------------------------
-
-    def choose(self, method: str, path: str, query: str, byte_range: str | None) -> str | None:
-        """The fault for this request, or None (bounded per request and in total)."""
-        f = self.faults
-        if any(d in path for d in f.deny):
-            return "deny"
-        if any(m in path for m in f.missing):
-            return "missing"
-        with self._lock:
-            key = (method, path, query, byte_range)
-            if (f.rate <= 0 or self._injected >= f.max_total or self._per_key.get(key, 0) >= f.max_per_key
-                    or self._rng.random() >= f.rate):
-                return None
-            kinds = [k for k in f.kinds if not (k == "truncate" and method != "GET")]
-            if not kinds:
-                return None
-            self._per_key[key] = self._per_key.get(key, 0) + 1
-            self._injected += 1
-            return self._rng.choice(kinds)
-
-    def record(self, request: Request) -> None:
-        with self._lock:
-            self.log.append(request)
-
-    def requests(self, path_contains: str = "", method: str | None = None) -> list[Request]:
-        """Logged requests whose path contains ``path_contains`` (and of ``method``)."""
-        with self._lock:
-            return [r for r in self.log if path_contains in r.path and (method is None or r.method == method)]
-
-    def get_started(self) -> None:
-        with self._lock:
-            self._in_flight += 1
-            self.max_in_flight_gets = max(self.max_in_flight_gets, self._in_flight)
-
-    def get_finished(self) -> None:
-        with self._lock:
-            self._in_flight -= 1
-
-    def injected(self) -> dict[str, int]:
-        """How many of each fault were injected."""
-        out: dict[str, int] = {}
-        for r in self.requests():
-            if r.fault:
-                out[r.fault] = out.get(r.fault, 0) + 1
-        return out
-
-    def wait(self, seconds: float) -> None:
-        self._stopping.wait(seconds)
-
-
-_ERRORS = {
-    "slowdown": (503, "SlowDown", "Please reduce your request rate."),
-    "error500": (500, "InternalError", "We encountered an internal error. Please try again."),
-    "deny": (403, "AccessDenied", "Access Denied"),
-    "missing": (404, "NoSuchKey", "The specified key does not exist."),
-}
-
-
-class _ProxyHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    timeout = 30  # idle keep-alive connections end by themselves
-    owner: FaultProxy
-
-    def log_message(self, *args) -> None:  # keep test output clean; requests are in owner.log
-        pass
-
-    def do_GET(self):
-        self._proxy()
-
-    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
-
-    def _read_body(self) -> bytes:
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            chunks = []
-            while True:
-                size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
-                if size == 0:
-                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                        pass
-                    return b"".join(chunks)
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline()
-        length = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(length) if length else b""
-
-    def _proxy(self) -> None:
-        owner = self.owner
-        if owner._stopping.is_set():  # kept-alive connections do not outlive the proxy
-            self._reset()
-            return
-        path, _, query = self.path.partition("?")
-        body = self._read_body()
-        byte_range = self.headers.get("Range")
-        fault = owner.choose(self.command, path, query, byte_range)
-        entry = Request(self.command, path, query, byte_range, fault, None)
-        owner.record(entry)
-        if fault in _ERRORS:
-            entry.status = self._send_error_xml(*_ERRORS[fault])
-            return
-        if fault == "stall":
-            owner.wait(owner.faults.stall_s)
-            self.close_connection = True
-            return
-        writes = self.command in ("PUT", "POST", "DELETE")
-        if fault == "reset" and not writes:
-            self._reset()
-            return
-        if self.command == "GET" and not query and owner.faults.get_latency_s \
-                and path.endswith(owner.faults.latency_suffix):
-            owner.get_started()
-            try:
-                owner.wait(owner.faults.get_latency_s)
-                status, headers, data = self._forward(body)
-            finally:
-                owner.get_finished()
-        else:
-            status, headers, data = self._forward(body)
-        entry.status = status
-        if fault == "reset":  # the write landed, but the client never hears so
-            self._reset()
-            return
-        self.send_response(status)
-        for name, value in headers:
-            if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
-                self.send_header(name, value)
-        length = dict((k.lower(), v) for k, v in headers).get("content-length") if self.command == "HEAD" else None
-        self.send_header("Content-Length", length if length is not None else str(len(data)))
-        self.end_headers()
-        if self.command == "HEAD":
-            return
-        if fault == "truncate" and len(data) > 1:
-            self.wfile.write(data[: len(data) // 2])
-            self.wfile.flush()
-            self.close_connection = True
-            return
-        self.wfile.write(data)
-
-    def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
-        headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
-        if self.owner.faults.strip_conditional:
-            headers = {k: v for k, v in headers.items() if k.lower() not in ("if-none-match", "if-match")}
-        if body or self.command in ("PUT", "POST"):
-            headers["Content-Length"] = str(len(body))
-        host, port = self.owner._upstream
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        try:
-            conn.request(self.command, self.path, body=body or None, headers=headers)
-            response = conn.getresponse()
-            data = response.read()
-            return response.status, response.getheaders(), data
-        finally:
-            conn.close()
-
-    def _send_error_xml(self, status: int, code: str, message: str) -> int:
-        data = b"" if self.command == "HEAD" else (
-            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<Resource>{self.path}</Resource><RequestId>fault-proxy</RequestId></Error>").encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/xml")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-        return status
-
-    def _reset(self) -> None:
-        """Close with RST (SO_LINGER 0) instead of a response."""
-        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.close_connection = True
-
-
 # -- the session fixture ---------------------------------------------------------------------------
 
 
@@ -422,9 +159,11 @@ class S3:
         values.update(overrides)
         return ObjectStoreSettings(**values)
 
-    def proxy(self, faults: Faults | None = None, lifetime_s: float = 120.0) -> FaultProxy:
-        """A fault proxy in front of the server; use it as a context manager."""
-        return FaultProxy(self.endpoint, faults or Faults(), lifetime_s=lifetime_s)
+    def proxy(self, faults: Faults | None = None, lifetime_s: float = 120.0, *, bandwidth_bps: float = 0.0,
+              latency_s: float = 0.0) -> FaultProxy:
+        """A fault proxy in front of the server (per-connection cap, latency); use it as a context manager."""
+        return FaultProxy(self.endpoint, faults or Faults(), lifetime_s=lifetime_s, bandwidth_bps=bandwidth_bps,
+                          latency_s=latency_s)
 
 
 @pytest.fixture(scope="session")
@@ -490,6 +229,23 @@ def crash_publish(argv: list[str]) -> None:
     raise SystemExit(main(argv))
 
 
+# -- a transfer in a process of its own (to be SIGKILLed) ------------------------------------------
+
+
+def transfer_child(argv: list[str]) -> None:
+    """``download URL DEST`` or ``upload LOCAL URL`` with ``ObjectStoreSettings`` from the environment."""
+    from storage.objects import ObjectStore
+
+    store = ObjectStore(ObjectStoreSettings())
+    if argv[0] == "download":
+        size = store.download(argv[1], Path(argv[2]))
+    elif argv[0] == "upload":
+        size = store.put_immutable_file(argv[2], Path(argv[1]))
+    else:
+        raise SystemExit(f"unknown transfer {argv[0]!r}")
+    print(f"done {size}", flush=True)
+
+
 # -- read paths compared on the test server ------------------------------------------------------
 
 
@@ -514,7 +270,7 @@ def bench_reads(mib: int = 16, files: int = 8, concurrency: int = 4) -> None:
             fs, _ = store.locate(urls[0])
             paths = [store.locate(u)[1] for u in urls]
             ways = {
-                "ObjectStore.download (s3fs get_file, streamed)":
+                "ObjectStore.download (streamed GET)":
                     lambda i: store.download(urls[i], Path(tmp) / f"{i}.bin", expected_size=size),
                 "ObjectStore.read_bytes (HEAD + cat_file)": lambda i: store.read_bytes(urls[i], max_size=size),
                 "s3fs cat_file": lambda i: fs.cat_file(paths[i]),
@@ -545,7 +301,10 @@ def bench_reads(mib: int = 16, files: int = 8, concurrency: int = 4) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["crash-publish"]:
         crash_publish(sys.argv[2:])
+    elif sys.argv[1:2] == ["transfer"]:
+        transfer_child(sys.argv[2:])
     elif sys.argv[1:2] == ["bench"]:
         bench_reads(*(int(a) for a in sys.argv[2:5]))
     else:
-        raise SystemExit("usage: python tests/s3_support.py crash-publish PUBLISH-ARGS... | bench [MIB FILES WORKERS]")
+        raise SystemExit("usage: python tests/s3_support.py crash-publish PUBLISH-ARGS... | "
+                         "transfer download URL DEST | transfer upload LOCAL URL | bench [MIB FILES WORKERS]")

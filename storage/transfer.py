@@ -1,0 +1,630 @@
+"""Ranged, resumable downloads and concurrent multipart uploads under one connection budget.
+
+``ConnectionBudget`` is the pool of ``concurrency`` request slots that an
+``ObjectStore`` and its ``with_stats`` views share: every GET body and every
+upload part runs on one of its threads. Callers submit requests and wait
+without holding a slot, so a large download never keeps slots idle and no
+caller waits for a slot held by another waiting caller.
+
+``download`` fetches an object longer than ``range_size`` as fixed-size byte
+ranges in parallel, each streamed in chunks of ``STREAM_CHUNK`` bytes and
+written in place (``pwrite``) into ``.{name}.part`` next to ``dest``. A range
+counts only once its bytes are fsynced and listed in the durable record
+``.{name}.part.json`` (url, size, ETag, range size, completed ranges), so a
+download killed at any instant resumes with the missing ranges, never trusts
+unrecorded bytes, and ``dest`` only ever appears whole (a rename). Remote
+requests go through ``ObjectStore.call`` one range at a time (retried and
+counted); local file errors become ``StoreError`` naming the local path.
+
+The sources (``S3Source``, ``FsspecSource``, ``LocalSource``) and the
+multipart wire (``S3Multipart``) are chosen by ``storage.objects``, the only
+module that knows about protocols.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import fcntl
+import json
+import logging
+import math
+import os
+import threading
+import time
+import weakref
+import zlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from fsspec.asyn import sync
+
+from storage.classify import local_error, s3_error_code
+from storage.durable import atomic_write_json, fsync_dir, temp_name
+from storage.errors import (
+    Cancelled, ObjectNotFound, PermanentStorageError, StoreError, TransientStorageError,
+)
+
+if TYPE_CHECKING:
+    from storage.objects import ObjectStore
+
+log = logging.getLogger("canonical_refit.transfer")
+STREAM_CHUNK = 2**19  # bytes per read of a streamed body: a cancel is seen within one chunk
+
+
+class _Stopped(Cancelled):
+    """A request not made because another request of the same transfer failed (never surfaces)."""
+
+
+class ConnectionBudget:
+    """At most ``slots`` data requests (GET bodies, upload parts) in flight, whoever asks."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        _BUDGETS.add(self)
+
+    def _forget_pool(self) -> None:
+        """In a forked child: the pool's threads did not survive the fork; start a new pool on demand."""
+        self._pool, self._lock = None, threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.slots, thread_name_prefix="object-io")
+        return self._pool.submit(fn, *args)
+
+    def run(self, calls: dict, *, url: str, failed: threading.Event, cancel: threading.Event | None = None,
+            on_success: Callable[[list], None] | None = None) -> dict:
+        """Run ``calls`` ({key: fn}) on the budget and return {key: result}.
+
+        ``on_success(keys)`` runs in the calling thread after each batch of
+        successes, failures or not. The first failure sets ``failed`` (requests
+        not yet started are dropped, as on ``cancel``) and is raised once every
+        started request has ended, so no request outlives this call.
+        """
+        futures = {self.submit(fn): key for key, fn in calls.items()}
+        pending, results, error, dropped = set(futures), {}, None, False
+        try:
+            while pending:
+                finished, pending = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+                ok = []
+                for f in finished:
+                    if f.cancelled():
+                        dropped = True
+                    elif f.exception() is None:
+                        results[futures[f]] = f.result()
+                        ok.append(futures[f])
+                    elif error is None or isinstance(error, _Stopped):
+                        error = f.exception()
+                if ok and on_success is not None:
+                    try:
+                        on_success(ok)
+                    except StoreError as exc:
+                        error, on_success = error or exc, None
+                if error is not None:
+                    failed.set()
+                if failed.is_set() or (cancel is not None and cancel.is_set()):
+                    for f in pending:
+                        f.cancel()
+        finally:
+            if pending:  # this thread is leaving early: stop the rest and wait for the running ones
+                failed.set()
+                for f in pending:
+                    f.cancel()
+                wait(pending)
+        if error is not None:
+            raise error
+        if dropped:
+            raise Cancelled("cancelled before all of its requests were made", file=url)
+        return results
+
+
+_BUDGETS: "weakref.WeakSet[ConnectionBudget]" = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [b._forget_pool() for b in list(_BUDGETS)])
+
+
+def partial_paths(dest: Path) -> tuple[Path, Path]:
+    """The partial file and its durable record for a download into ``dest``."""
+    return dest.parent / f".{dest.name}.part", dest.parent / f".{dest.name}.part.json"
+
+
+# -- sources ------------------------------------------------------------------------------
+
+
+class S3Source:
+    """An S3 object through s3fs's aiobotocore client; GET bodies are streamed chunk by chunk."""
+
+    ranged = True
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        self.bucket, self.key, self.version = fs.split_path(path)
+
+    def stat(self) -> tuple[int, str | None]:
+        """Size and ETag (one HEAD)."""
+        info = self.fs.info(self.path)
+        return int(info["size"]), info.get("ETag")
+
+    @contextmanager
+    def open(self, start: int, end: int | None, identity: str | None, check: Callable[[], None]):
+        """(announced length, chunks) of bytes ``[start, end)``, or of the whole object if ``end`` is None.
+
+        With ``identity`` the request is conditional (If-Match), so bytes of
+        two versions of the object are never mixed. ``check`` is polled while
+        waiting for the server; when it raises, the request is abandoned.
+        """
+        kw = {"Range": f"bytes={start}-{end - 1}"} if end is not None else {}
+        if identity:
+            kw["IfMatch"] = identity
+        if self.version:
+            kw["VersionId"] = self.version
+        loop = self.fs.loop
+        try:
+            resp = _await(loop, self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key, **kw), check)
+        except OSError as exc:
+            if s3_error_code(exc) == "PreconditionFailed":
+                raise PermanentStorageError(
+                    f"the object changed during the download (its ETag is no longer {identity}); "
+                    "download it again to start over") from exc
+            raise
+        body = resp["Body"]
+        try:
+            yield resp.get("ContentLength"), self._chunks(body, check)
+        finally:
+            try:
+                sync(loop, body.aclose)
+            except Exception:  # closing an abandoned body may fail; the connection is dropped anyway
+                pass
+
+    def _chunks(self, body, check: Callable[[], None]) -> Iterator[memoryview]:
+        view = memoryview(bytearray(STREAM_CHUNK))
+        while n := _await(self.fs.loop, _fill(body, view), check):
+            yield view[:n]
+
+
+def _await(loop, coro, check: Callable[[], None]):
+    """Run ``coro`` on the filesystem's event loop; if ``check`` raises meanwhile, cancel it and re-raise."""
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        while not wait([future], timeout=0.05).done:
+            check()
+    except BaseException:
+        future.cancel()
+        raise
+    return future.result()
+
+
+async def _fill(body, view: memoryview) -> int:
+    """Fill ``view`` from ``body`` (short only at its end), in reads of 64 KiB so aiohttp buffers little."""
+    got = 0
+    while got < len(view):
+        data = await body.read(min(len(view) - got, 2**16))
+        if not data:
+            break
+        view[got:got + len(data)] = data
+        got += len(data)
+    return got
+
+
+class FsspecSource:
+    """An object of any other remote fsspec filesystem, read through ``fs.open``."""
+
+    ranged = True
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+
+    def stat(self) -> tuple[int, str | None]:
+        info = self.fs.info(self.path)
+        keys = ("ETag", "etag", "md5Hash", "generation", "VersionId", "mtime")
+        return int(info["size"]), next((str(info[k]) for k in keys if info.get(k)), None)
+
+    @contextmanager
+    def open(self, start: int, end: int | None, identity: str | None, check: Callable[[], None]):
+        with self.fs.open(self.path, "rb") as fh:
+            fh.seek(start)
+
+            def chunks() -> Iterator[bytes]:
+                left = None if end is None else end - start
+                while left is None or left > 0:
+                    data = fh.read(STREAM_CHUNK if left is None else min(STREAM_CHUNK, left))
+                    if not data:
+                        return
+                    left = None if left is None else left - len(data)
+                    yield data
+
+            yield None, chunks()
+
+
+class LocalSource:
+    """An object on a local or in-memory filesystem: one plain copy (``fs.get_file``), no ranges."""
+
+    ranged = False
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+
+
+# -- downloads ----------------------------------------------------------------------------------
+
+
+def download(store: "ObjectStore", source, url: str, dest: Path, *, expected_size: int | None = None,
+             max_size: int | None = None, cancel: threading.Event | None = None,
+             progress: Callable[[int], None] | None = None) -> int:
+    """Fetch ``url`` into ``dest`` (see the module); returns the object's size in bytes."""
+    job = _Download(store, source, url, Path(dest), cancel, progress)
+    job.check()
+    if not source.ranged:
+        return job.copy(expected_size, max_size)
+    return job.fetch(expected_size, max_size)
+
+
+class _Download:
+    def __init__(self, store: "ObjectStore", source, url: str, dest: Path, cancel, progress):
+        self.store, self.source, self.url, self.dest = store, source, url, dest
+        self.cancel, self.progress = cancel, progress
+        self.part, self.record = partial_paths(dest)
+        self.range_size = store.settings.range_size
+        self.failed = threading.Event()
+        self.size, self.identity, self.fd = 0, None, -1
+        self.done: set[int] = set()
+        self._landed: dict[int, int] = {}
+
+    def check(self) -> None:
+        """Raise if the caller cancelled, or another range of this download failed."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise Cancelled("download cancelled", file=self.url)
+        if self.failed.is_set():
+            raise _Stopped("stopped: another range of this download failed", file=self.url)
+
+    def fetch(self, expected_size: int | None, max_size: int | None) -> int:
+        if expected_size is not None and expected_size <= self.range_size:
+            self.size = expected_size  # one request and no HEAD, as for any small object
+        else:
+            self.size, self.identity = self.store.call("stat", self.url, lambda: self._stat(expected_size),
+                                                       check=self.check)
+        if max_size is not None and self.size > max_size:
+            raise PermanentStorageError(f"object is {self.size} bytes, more than the {max_size} allowed",
+                                        file=self.url)
+        self._open_part()
+        try:
+            if self.size <= self.range_size:
+                self._single()
+            else:
+                self._ranged()
+        finally:
+            os.close(self.fd)  # releases the lock
+        return self.size
+
+    def _stat(self, expected_size: int | None) -> tuple[int, str | None]:
+        size, identity = self.source.stat()
+        if expected_size is not None and size != expected_size:
+            raise TransientStorageError(f"the object has {size} bytes, {expected_size} were expected", file=self.url)
+        return size, identity
+
+    # -- the two shapes of a remote download ----------------------------------------------------
+
+    def _single(self) -> None:
+        """One streamed GET; nothing to resume, so no record."""
+        try:
+            self._local("discarding an old partial download", self.part, self._truncate, 0)
+            self._discard_record()
+            self.store.budget.run({0: lambda: self._fetch(0, 0, None)}, url=self.url, failed=self.failed,
+                                  cancel=self.cancel)
+            self._finish()
+        except BaseException:
+            self._remove_partial()
+            raise
+
+    def _ranged(self) -> None:
+        rs, size = self.range_size, self.size
+        ranges = {i: (start, min(start + rs, size)) for i, start in enumerate(range(0, size, rs))}
+        self.done = self._adopt(len(ranges))
+        have = sum(end - start for i, (start, end) in ranges.items() if i in self.done)
+        if have:
+            log.info("resuming the download of %s: %d of %d bytes are already in %s", self.url, have, size, self.part)
+            self._report(have)
+        calls = {i: (lambda i=i, s=s, e=e: self._fetch(i, s, e))
+                 for i, (s, e) in ranges.items() if i not in self.done}
+        try:
+            self.store.budget.run(calls, url=self.url, failed=self.failed, cancel=self.cancel,
+                                  on_success=self._commit)
+            self._finish()
+        except BaseException:
+            if self.done and self.identity is not None:
+                kept = sum(end - start for i, (start, end) in ranges.items() if i in self.done)
+                log.info("download of %s stopped with %d of %d bytes recorded in %s; the next download resumes",
+                         self.url, kept, size, self.part)
+            else:
+                self._remove_partial()
+            raise
+
+    def _fetch(self, index: int, start: int, end: int | None) -> int:
+        """One request (on a budget slot), retried through ``ObjectStore.call``."""
+        self.check()
+        what = "download" if end is None else f"ranged read of bytes {start}-{end - 1}"
+        return self.store.call(what, self.url, lambda: self._stream(index, start, end), check=self.check)
+
+    def _stream(self, index: int, start: int, end: int | None) -> int:
+        self.check()
+        length = (self.size if end is None else end) - start
+        got = 0
+        with self.source.open(start, end, self.identity, self.check) as (announced, chunks):
+            if announced is not None and announced != length:
+                raise TransientStorageError(f"the server answered {announced} bytes for a request of {length} "
+                                            f"at offset {start}", file=self.url)
+            for chunk in chunks:
+                self.check()
+                if got + len(chunk) > length:
+                    raise TransientStorageError(f"the body is longer than the {length} bytes asked for "
+                                                f"at offset {start}", file=self.url)
+                self._write(chunk, start + got)
+                got += len(chunk)
+                self.store.stats.add(bytes_read=len(chunk))
+                self._land(index, got)
+        if got != length:
+            raise TransientStorageError(f"short read: {got} of {length} bytes at offset {start}", file=self.url)
+        return got
+
+    # -- local files (never classified as remote errors) ----------------------------------------
+
+    def _local(self, doing: str, path: Path, fn: Callable, *args):
+        return _local(doing, path, self.url, fn, *args)
+
+    def _open_part(self) -> None:
+        """Open and lock the partial file (another download into the same ``dest`` waits)."""
+        while True:
+            fd = self._local("creating the partial download", self.part, os.open, self.part,
+                             os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                waited = False
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if not waited:
+                            log.info("waiting for another download into %s", self.dest)
+                            waited = True
+                        self.check()
+                        time.sleep(0.05)
+                try:
+                    same = os.stat(self.part).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False  # the other download finished (renamed it) or discarded it
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def _truncate(self, size: int) -> None:
+        os.ftruncate(self.fd, 0)
+        if size:
+            os.ftruncate(self.fd, size)  # sparse: ranges land at their offsets
+
+    def _write(self, data, offset: int) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise local_error(exc, self.part, self.url, "writing the partial download") from exc
+
+    def _adopt(self, count: int) -> set[int]:
+        """The completed ranges of a matching record; anything else starts from zero."""
+        try:
+            record = json.loads(self.record.read_bytes())
+        except FileNotFoundError:
+            record = None
+        except (OSError, ValueError):
+            record = "unreadable"
+        want = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size}
+        done = record.get("done") if isinstance(record, dict) else None
+        if (self.identity is not None and isinstance(done, list)
+                and all(record.get(k) == v for k, v in want.items())
+                and all(type(i) is int and 0 <= i < count for i in done)
+                and self._local("reading the partial download", self.part, os.fstat, self.fd).st_size >= self.size):
+            return set(done)
+        if record is not None:
+            log.info("not resuming %s: the record %s is for another object, version or range size",
+                     self.url, self.record)
+        self._discard_record()
+        self._local("preparing the partial download", self.part, self._truncate, self.size)
+        return set()
+
+    def _commit(self, indices: list[int]) -> None:
+        """Ranges whose bytes are written: fsync them, then record them (durably, atomically)."""
+        self._local("syncing the partial download", self.part, os.fsync, self.fd)
+        self.done.update(indices)
+        if self.identity is None:
+            return  # nothing to check a later resume against: not resumable
+        record = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size,
+                  "done": sorted(self.done)}
+        self._local("recording the completed ranges", self.record, atomic_write_json, self.record, record)
+
+    def _finish(self) -> None:
+        """fsync, rename the partial file onto ``dest``, drop the record, fsync the folder."""
+        got = self._local("checking the partial download", self.part, os.fstat, self.fd).st_size
+        if got != self.size:
+            raise StoreError(f"the partial download holds {got} bytes, the object has {self.size}",
+                             file=self.url, local_file=str(self.part))
+        self._local("syncing the download", self.part, os.fsync, self.fd)
+        self._local("moving the download into place", self.dest, os.replace, self.part, self.dest)
+        self._local("removing the download's record", self.record, self.record.unlink, True)
+        self._local("syncing the download's folder", self.dest.parent, fsync_dir, self.dest.parent)
+
+    def _discard_record(self) -> None:
+        if self.record.exists():
+            self._local("discarding the record of a partial download", self.record, self.record.unlink, True)
+            self._local("discarding the record of a partial download", self.record, fsync_dir, self.record.parent)
+
+    def _remove_partial(self) -> None:
+        for path in (self.record, self.part):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove %s after a failed download of %s: %s", path, self.url, exc)
+
+    # -- progress -------------------------------------------------------------------------------
+
+    def _land(self, index: int, got: int) -> None:
+        """Report bytes of range ``index`` beyond what an earlier attempt of it already reported."""
+        before = self._landed.get(index, 0)
+        if got > before:
+            self._landed[index] = got
+            self._report(got - before)
+
+    def _report(self, n: int) -> None:
+        if self.progress is not None and n:
+            self.progress(n)
+
+    # -- local filesystems ----------------------------------------------------------------------
+
+    def copy(self, expected_size: int | None, max_size: int | None) -> int:
+        """A plain copy through ``fs.get_file`` into a temporary file, then a rename."""
+        fs, path = self.source.fs, self.source.path
+        tmp = self.dest.with_name(temp_name(self.dest.name))
+        self._local("creating the download's temporary file", tmp, tmp.write_bytes, b"")
+
+        def fetch() -> int:
+            self.check()
+            expected = int(fs.size(path)) if expected_size is None else expected_size
+            if max_size is not None and expected > max_size:
+                raise PermanentStorageError(f"object is {expected} bytes, more than the {max_size} allowed",
+                                            file=self.url)
+            try:
+                fs.get_file(path, str(tmp))
+            except OSError as exc:
+                if str(tmp) in (getattr(exc, "filename", None), getattr(exc, "filename2", None)):
+                    raise local_error(exc, tmp, self.url, "copying the object") from exc
+                raise
+            got = self._local("checking the download", tmp, os.path.getsize, tmp)
+            if got != expected:
+                raise TransientStorageError(f"download returned {got} bytes, the object has {expected}", file=self.url)
+            return expected
+
+        try:
+            size = self.store.call("download", self.url, fetch, check=self.check)
+            self._local("syncing the download", tmp, _fsync_file, tmp)
+            self._local("moving the download into place", self.dest, os.replace, tmp, self.dest)
+            self._local("syncing the download's folder", self.dest.parent, fsync_dir, self.dest.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.store.stats.add(bytes_read=size)
+        self._report(size)
+        return size
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+# -- multipart uploads --------------------------------------------------------------------------
+
+
+class S3Multipart:
+    """The S3 multipart-upload API through s3fs's client; completion is create-only (If-None-Match)."""
+
+    def __init__(self, fs, path: str):
+        self.fs = fs
+        self.bucket, self.key, _ = fs.split_path(path)
+
+    def create(self) -> str:
+        return self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+
+    def upload_part(self, upload_id: str, number: int, data: bytes) -> str:
+        # the CRC32 botocore would compute on the event loop shared by every request, computed
+        # here on the calling thread instead (zlib releases the GIL)
+        crc32 = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+        return self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
+                               PartNumber=number, Body=data, ChecksumCRC32=crc32)["ETag"]
+
+    def complete(self, upload_id: str, etags: dict[int, str]) -> None:
+        """Raises ``FileExistsError`` if the key already exists."""
+        parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
+        self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
+                        MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+
+    def abort(self, upload_id: str) -> None:
+        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
+
+
+def upload_parts(store: "ObjectStore", wire: S3Multipart, url: str, local: Path, part_size: int) -> bool:
+    """Upload ``local`` to ``url`` in ``part_size`` parts, in parallel on the store's budget.
+
+    Returns True if the object was created, False if the create-only
+    completion found the key already there (the caller compares the bytes).
+    An upload that does not complete is aborted, so no parts are left behind.
+    """
+    local = Path(local)
+    failed = threading.Event()
+    size = _local("reading the file to upload", local, url, os.path.getsize, local)
+    fd = _local("opening the file to upload", local, url, os.open, local, os.O_RDONLY)
+    try:
+        upload_id = store.call("create multipart upload", url, wire.create)
+
+        def part(number: int) -> str:
+            if failed.is_set():
+                raise _Stopped("stopped: another part of this upload failed", file=url)
+            offset = (number - 1) * part_size
+            length = min(part_size, size - offset)
+            data = _local("reading the file to upload", local, url, os.pread, fd, length, offset)
+            if len(data) != length:
+                raise StoreError(f"the file to upload shrank while it was read (part {number})",
+                                 file=url, local_file=str(local))
+            return store.call(f"upload of part {number}", url, lambda: wire.upload_part(upload_id, number, data))
+
+        tries = 0
+
+        def complete() -> bool:
+            nonlocal tries
+            tries += 1
+            try:
+                wire.complete(upload_id, etags)
+                return True
+            except FileExistsError:
+                return False
+            except FileNotFoundError:  # NoSuchUpload: an earlier attempt completed it but its answer was lost
+                if tries > 1:
+                    return False
+                raise
+
+        try:
+            calls = {n: (lambda n=n: part(n)) for n in range(1, math.ceil(size / part_size) + 1)}
+            etags = store.budget.run(calls, url=url, failed=failed)
+            created = store.call("create-only completion of the multipart upload", url, complete)
+        except BaseException:
+            _abort(store, wire, url, upload_id)
+            raise
+        if not created:
+            _abort(store, wire, url, upload_id)
+        return created
+    finally:
+        os.close(fd)
+
+
+def _local(doing: str, path: Path, url: str, fn: Callable, *args):
+    """``fn(*args)``, a local file operation: its ``OSError`` becomes a ``StoreError`` naming ``path``."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        raise local_error(exc, path, url, doing) from exc
+
+
+def _abort(store: "ObjectStore", wire: S3Multipart, url: str, upload_id: str) -> None:
+    try:
+        store.call("abort of the multipart upload", url, lambda: wire.abort(upload_id))
+    except ObjectNotFound:  # NoSuchUpload: already completed or aborted
+        pass
+    except Exception as exc:  # the server is unreachable
+        log.warning("could not abort multipart upload %s of %s (its parts stay until the bucket's lifecycle "
+                    "rules remove them): %s", upload_id, url, exc)
