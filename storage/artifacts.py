@@ -86,6 +86,17 @@ class ArtifactCache:
             files[name] = file_identity(self.folder(kind, version) / name)
             atomic_write_json(self._source_path(kind, version), source | {"files": files})
 
+    def discard(self, kind: str, version: str, name: str) -> Path:
+        """Drop a file that failed validation, and its record, so the next run downloads it again."""
+        path = self.folder(kind, version) / name
+        with self._lock:
+            source = self.source(kind, version)
+            if source is not None and name in (source.get("files") or {}):
+                files = {k: v for k, v in source["files"].items() if k != name}
+                atomic_write_json(self._source_path(kind, version), source | {"files": files})
+            path.unlink(missing_ok=True)
+        return path
+
     def record_seed(self, version: str, seed_path: Path) -> None:
         """Source identity of a launch snapshot copied into ``full/{version}``."""
         folder = self.folder(FULL, version)

@@ -1,4 +1,4 @@
-"""The revision catalog: one immutable JSON record per revision (SPEC section 4)."""
+"""The revision catalog: one immutable JSON record per revision (docs/format.md, section 4)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from storage.digests import DIGEST_PATTERN, canonical_json, unique_keys
 from storage.durable import atomic_write_json, read_json_file
-from storage.errors import CatalogError, InvalidURI, LineageError, ObjectNotFound, RefitError
+from storage.errors import (
+    CatalogError, ImmutableConflict, InvalidURI, LineageError, ObjectNotFound, PermanentStorageError, RefitError,
+)
 from storage.objects import ObjectStore
 from storage.urls import join_url, normalize_url
 from storage.settings import VERSION_PATTERN
@@ -27,7 +29,7 @@ _VERSION_RE = re.compile(VERSION_PATTERN)
 
 
 class Revision(BaseModel):
-    """One catalog record. Construction enforces every rule of SPEC section 4."""
+    """One catalog record. Construction enforces every rule of docs/format.md, section 4."""
 
     model_config = ConfigDict(extra="ignore", frozen=True, strict=True, populate_by_name=True)
 
@@ -55,6 +57,8 @@ class Revision(BaseModel):
     @classmethod
     def _uri_form(cls, value: str | None) -> str | None:
         if value is not None:
+            if "://" not in value:
+                raise ValueError("must be an absolute URL (s3://..., file://...), not a relative path")
             try:
                 normalize_url(value)
             except InvalidURI as exc:
@@ -78,6 +82,8 @@ class Revision(BaseModel):
                     raise _FieldRule(name, f"must be null for payload_format {self.payload_format!r}")
         if self.payload_format == "metadata_only" and self.uri is not None:
             raise _FieldRule("uri", "must be null for a metadata_only revision")
+        if (self.payload_format == "metadata_only") != (self.sequence == 0):
+            raise _FieldRule("sequence", "is 0 exactly for the metadata_only launch revision")
         if self.payload_format == "full_hf_checkpoint" and self.uri is None:
             raise _FieldRule("uri", "is required for a full_hf_checkpoint revision")
         return self
@@ -134,6 +140,7 @@ class Catalog:
         self.model = model
         self.cache_dir = cache_dir
         self._records: dict[str, Revision] = {}
+        self.quarantined: dict[str, RefitError] = {}  # malformed records met by ``list``
 
     def record_url(self, version: str) -> str:
         if not _VERSION_RE.match(version):
@@ -169,44 +176,85 @@ class Catalog:
         return versions
 
     def list(self) -> list[Revision]:
-        """Every record, sorted by sequence."""
+        """Every valid record, sorted by sequence; malformed ones are quarantined (``self.quarantined``).
+
+        A record that breaks the rules is logged, kept in ``quarantined`` (its
+        URL and the error) and left out: it blocks only refits whose lineage
+        passes through it, never the others.
+        """
         versions = self.versions()
+
+        def read(version: str) -> Revision | RefitError:
+            try:
+                return self.read(version)
+            except (CatalogError, PermanentStorageError) as exc:  # malformed, oversized, gone since listed
+                return exc
+
         with ThreadPoolExecutor(max_workers=self.store.settings.concurrency) as pool:
-            records = list(pool.map(self.read, versions))
+            outcomes = list(pool.map(read, versions))
+        records = []
+        for version, outcome in zip(versions, outcomes):
+            if isinstance(outcome, RefitError):
+                if version not in self.quarantined:
+                    log.warning("quarantined catalog record %s: %s", self.record_url(version), outcome)
+                self.quarantined[version] = outcome
+            else:
+                records.append(outcome)
         return sorted(records, key=lambda r: (r.sequence, r.version))
 
     def latest(self) -> Revision:
-        """The record with the highest sequence."""
+        """The valid record with the highest sequence (malformed records are skipped, with a warning)."""
         records = self.list()
         if not records:
-            raise CatalogError("catalog holds no revisions", file=self.url)
+            raise self._empty()
         top = records[-1]
         tied = [r.version for r in records if r.sequence == top.sequence]
         if len(tied) > 1:
-            raise CatalogError(f"'latest' is ambiguous: {tied} share sequence {top.sequence}",
+            raise CatalogError(f"'latest' is ambiguous: records {' and '.join(tied)} share sequence "
+                               f"{top.sequence}; remove the one published by mistake",
                                file=self.url, field="sequence")
         return top
 
     def initial(self, version: str | None = None) -> Revision:
-        """Revision 0: ``version`` if given, else the only record with sequence 0."""
+        """Revision 0: ``version`` if given, else the one valid record with sequence 0."""
         if version is not None:
             record = self.read(version)
         else:
-            zeros = [r for r in self.list() if r.sequence == 0]
+            records = self.list()
+            if not records:
+                raise self._empty()
+            zeros = [r for r in records if r.sequence == 0]
             if len(zeros) != 1:
+                found = " and ".join(r.version for r in zeros) or "none"
                 raise CatalogError(
-                    f"expected exactly one sequence-0 record, found {[r.version for r in zeros]}; "
-                    "name the launch revision explicitly",
+                    f"the catalog needs exactly one valid sequence-0 (launch) record, found {found}; publish "
+                    "the launch revision with --kind initial, or name it with --initial-version",
                     file=self.url, field="sequence",
                 )
             record = zeros[0]
-        if record.payload_format != "metadata_only":
-            raise CatalogError("the launch revision must be metadata_only",
+        if record.payload_format != "metadata_only" or record.sequence != 0:
+            raise CatalogError("the launch revision must be a metadata_only record with sequence 0",
                                revision=record.version, file=self.record_url(record.version), field="payload_format")
         return record
 
     def resolve(self, target: str) -> Revision:
-        return self.latest() if target == "latest" else self.read(target)
+        """The record of ``target`` ('latest' or a version), with a message that helps when it is missing."""
+        if target == "latest":
+            return self.latest()
+        try:
+            return self.read(target)
+        except ObjectNotFound:
+            records = self.list()
+            known = ", ".join(r.version for r in records[-8:]) or "none"
+            latest = records[-1].version if records else "none"
+            raise CatalogError(f"revision {target} is not in the catalog {self.url} (its latest is {latest}; "
+                               f"versions: {known})", revision=target, file=self.record_url(target)) from None
+
+    def _empty(self) -> CatalogError:
+        bad = f" ({len(self.quarantined)} malformed record(s) quarantined)" if self.quarantined else ""
+        return CatalogError(f"the catalog {self.url} holds no valid revision records for {self.model}{bad}: "
+                            "check --catalog and --model, or publish the launch revision first (--kind initial)",
+                            file=self.url)
 
     def lineage(self, target: Revision, local: Mapping[str, str]) -> list[Revision]:
         """Revisions from a starting point to ``target`` (both included), oldest first.
@@ -262,6 +310,27 @@ class Catalog:
             log.info("checksum format changes from %s to %s at %s", base.checksum_format,
                      delta.checksum_format, delta.version)
         return base
+
+    def claim_sequence(self, sequence: int, version: str) -> str:
+        """Claim ``sequence`` for ``version`` (create-only ``sequences/{n}.json``); returns the holder's version.
+
+        Two publications can never claim the same sequence: the second
+        create-only write finds the first one's claim and gets its holder back.
+        """
+        url = join_url(self.url, f"sequences/{sequence:012d}.json")
+        claim = {"model": self.model, "sequence": sequence, "version": version}
+        try:
+            self.store.put_immutable(url, canonical_json(claim))
+            return version
+        except ImmutableConflict:
+            raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
+            try:
+                holder = json.loads(raw).get("version")
+            except (ValueError, AttributeError):
+                holder = None
+            if not isinstance(holder, str):
+                raise CatalogError("sequence claim is malformed", file=url, field="version") from None
+            return holder
 
     def write(self, record: Revision) -> bool:
         """Publish ``record`` create-only; False if the identical record already existed."""

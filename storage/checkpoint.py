@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import mmap
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +10,7 @@ from typing import Callable, Mapping
 
 from storage.digests import format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
+from storage.mapped import MappedFiles
 from storage.safetensors import SafetensorsHeader, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,7 +31,7 @@ class TensorLocation:
 
 def check_shard_name(name: object, *, revision: str | None = None, file: str | None = None,
                      tensor: str | None = None) -> str:
-    """A weight-map file name must be a bare ``*.safetensors`` base name (SPEC section 5)."""
+    """A weight-map file name must be a bare ``*.safetensors`` base name (docs/format.md, section 5)."""
     if (
         not isinstance(name, str)
         or name in ("", ".", "..")
@@ -117,16 +116,21 @@ class CheckpointIndex:
         names: list[str] | None = None,
         workers: int = 4,
         progress: Callable[[int], None] | None = None,
+        stop=None,
     ) -> dict[str, str]:
-        """Checksum of every tensor (or of ``names``), read through mmap in parallel, largest first."""
+        """Checksum of every tensor (or of ``names``), read through mmap in parallel, largest first.
+
+        ``stop`` (a ``StopToken``) is checked between blocks.
+        """
         wanted = [self.tensors[n] for n in (names if names is not None else self.tensors)]
         wanted.sort(key=lambda t: -t.nbytes)
-        maps = _FileMaps(self.folder, {t.file for t in wanted})
-        try:
+        with MappedFiles(self.folder) as maps:
             def one(t: TensorLocation) -> tuple[str, str]:
                 h = new_checksum(checksum_format)
-                view = maps.view(t.file)
+                view = maps.array(t.file)
                 for start in range(t.offset, t.offset + t.nbytes, HASH_BLOCK):
+                    if stop is not None:
+                        stop.check(file=str(self.folder / t.file), tensor=t.name)
                     end = min(t.offset + t.nbytes, start + HASH_BLOCK)
                     h.update(view[start:end])
                     if progress:
@@ -137,8 +141,6 @@ class CheckpointIndex:
 
             with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
                 return dict(pool.map(one, wanted))
-        finally:
-            maps.close()
 
     def snapshot_digest(self, checksum_format: str, checksums: Mapping[str, str]) -> str:
         return snapshot_digest(checksum_format, self.format_digest(), checksums)
@@ -179,27 +181,3 @@ def _read_weight_map(index_path: Path, revision: str | None) -> dict[str, str]:
     for tensor, name in weight_map.items():
         check_shard_name(name, revision=revision, file=label, tensor=tensor)
     return weight_map
-
-
-class _FileMaps:
-    """Read-only mmaps of a checkpoint's shards, opened once per file."""
-
-    def __init__(self, folder: Path, names):
-        self._maps: dict[str, mmap.mmap] = {}
-        self._views: dict[str, memoryview] = {}
-        for name in names:
-            with open(folder / name, "rb") as fh:
-                if os.fstat(fh.fileno()).st_size == 0:
-                    continue
-                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[name] = m
-            self._views[name] = memoryview(m)
-
-    def view(self, name: str) -> memoryview:
-        return self._views[name]
-
-    def close(self) -> None:
-        for view in self._views.values():
-            view.release()
-        for m in self._maps.values():
-            m.close()

@@ -1,4 +1,4 @@
-"""Canonical JSON, per-tensor checksums, format digests and snapshot digests (SPEC section 3)."""
+"""Canonical JSON, per-tensor checksums, format digests and snapshot digests (docs/format.md, section 3)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,59 @@ from typing import Callable
 from storage.digests import canonical_json
 
 COPY_CHUNK = 64 * 2**20
+TEMP_SUFFIXES = (".tmp",)
+
+
+def _new_token() -> str:
+    return f"{os.getpid():x}x{uuid.uuid4().hex[:6]}"
+
+
+_TOKEN = _new_token()  # names this process's temporary files, so a recovery never sweeps a live one
+
+
+def _renew_token() -> None:
+    global _TOKEN
+    _TOKEN = _new_token()
+
+
+os.register_at_fork(after_in_child=_renew_token)
+
+
+def boot_id() -> str:
+    """Identity of the running boot of this machine (changes at every restart).
+
+    ``CANONICAL_REFIT_BOOT_ID`` overrides it (tests simulate a reboot with it).
+    """
+    override = os.environ.get("CANONICAL_REFIT_BOOT_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:  # not Linux: no boot identity, so unflushed bytes are never trusted across processes
+        return f"unknown-{_TOKEN}"
+
+
+def fsync_files(folder: Path, names, stop=None) -> None:
+    """Write the named files' dirty pages to disk (fsync each); ``stop`` is checked between files."""
+    for name in names:
+        if stop is not None and stop.stopped:
+            return
+        fd = os.open(Path(folder) / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def temp_name(name: str) -> str:
+    """A hidden temporary name for ``name`` that says which process made it."""
+    return f".{name}.{_TOKEN}{uuid.uuid4().hex[:6]}.tmp"
+
+
+def is_temp_of_other_process(name: str) -> bool:
+    """True for a temporary file (``temp_name``) that this process did not make."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIXES) and f".{_TOKEN}" not in name
 
 
 def fsync_dir(path: Path | str) -> None:
@@ -32,7 +85,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(temp_name(path.name))
     try:
         with open(tmp, "wb") as fh:
             fh.write(data)
@@ -49,6 +102,30 @@ def atomic_write_bytes(path: Path, data: bytes, *, durable: bool = True) -> None
 def atomic_write_json(path: Path, value, *, durable: bool = True) -> None:
     """Replace ``path`` with the canonical JSON of ``value`` (durably unless told otherwise)."""
     atomic_write_bytes(path, canonical_json(value) + b"\n", durable=durable)
+
+
+def create_only_write(path: Path, write: Callable) -> bool:
+    """Create ``path`` exclusively, atomically and durably (temp file, fsync, link); False if it exists.
+
+    ``write(fh)`` writes the content. Nobody ever sees a partial file, and an
+    existing file is never replaced.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(temp_name(path.name))
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)  # fails with EEXIST instead of replacing
+        except FileExistsError:
+            return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
 
 
 def read_json_file(path: Path):
@@ -75,12 +152,15 @@ def folder_identity(folder: Path) -> dict[str, list[int]]:
     }
 
 
-def copy_file(src: Path, dst: Path, progress: Callable[[int], None] | None = None) -> int:
-    """Copy with the fastest safe primitive (reflink or copy_file_range, else buffered); fsync."""
+def copy_file(src: Path, dst: Path, progress: Callable[[int], None] | None = None, stop=None) -> int:
+    """Copy with the fastest safe primitive (reflink or copy_file_range, else buffered); fsync.
+
+    ``stop`` (a ``StopToken``) is checked between chunks.
+    """
     size = os.path.getsize(src)
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         if not _reflink(fin.fileno(), fout.fileno()):
-            _copy_range(fin, fout, size, progress)
+            _copy_range(fin, fout, size, progress, stop)
         else:
             progress and progress(size)
         fout.flush()
@@ -99,10 +179,12 @@ def _reflink(src_fd: int, dst_fd: int) -> bool:
         return False
 
 
-def _copy_range(fin, fout, size: int, progress) -> None:
+def _copy_range(fin, fout, size: int, progress, stop) -> None:
     offset = 0
     use_cfr = hasattr(os, "copy_file_range")
     while offset < size:
+        if stop is not None:
+            stop.check(file=fout.name)
         n = min(COPY_CHUNK, size - offset)
         copied = 0
         if use_cfr:
@@ -124,14 +206,14 @@ def _copy_range(fin, fout, size: int, progress) -> None:
 
 
 def copy_tree_files(
-    src: Path, dst: Path, *, workers: int = 4, progress: Callable[[int], None] | None = None
+    src: Path, dst: Path, *, workers: int = 4, progress: Callable[[int], None] | None = None, stop=None
 ) -> int:
-    """Copy the regular files of ``src`` (one level) into a new folder ``dst`` in parallel."""
+    """Copy the regular files of ``src`` (one level, symlinks followed) into a new folder ``dst`` in parallel."""
     dst.mkdir(parents=True, exist_ok=False)
-    files = [e for e in sorted(os.scandir(src), key=lambda e: -e.stat().st_size)
-             if e.is_file() and not e.name.startswith(".")]
+    files = [Path(e.path) for e in source_files(src)]
+    files.sort(key=lambda p: -p.stat().st_size)
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        sizes = list(pool.map(lambda e: copy_file(Path(e.path), dst / e.name, progress), files))
+        sizes = list(pool.map(lambda p: copy_file(p, dst / p.name, progress, stop), files))
     fsync_dir(dst)
     return sum(sizes)
 
@@ -145,6 +227,17 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path)
     if path.parent.exists():
         fsync_dir(path.parent)
+
+
+def source_files(folder: Path) -> list[os.DirEntry]:
+    """The files ``copy_tree_files`` copies: regular files (or links to them) directly in ``folder``."""
+    return [e for e in sorted(os.scandir(folder), key=lambda e: e.name)
+            if e.is_file(follow_symlinks=True) and not e.name.startswith(".")]
+
+
+def copied_size(folder: Path) -> int:
+    """Bytes ``copy_tree_files`` will write for ``folder`` (link targets' sizes, as copied)."""
+    return sum(e.stat(follow_symlinks=True).st_size for e in source_files(folder))
 
 
 def tree_size(path: Path) -> int:

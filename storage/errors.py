@@ -27,6 +27,7 @@ class RefitError(Exception):
         file: str | None = None,
         tensor: str | None = None,
         field: str | None = None,
+        local_file: str | None = None,
         mutation_started: bool = False,
     ) -> None:
         self.reason = message
@@ -34,6 +35,7 @@ class RefitError(Exception):
         self.file = file
         self.tensor = tensor
         self.field = field
+        self.local_file = local_file
         self.mutation_started = mutation_started
         super().__init__(self._render())
 
@@ -45,6 +47,7 @@ class RefitError(Exception):
                 ("file", self.file),
                 ("tensor", self.tensor),
                 ("field", self.field),
+                ("local file", getattr(self, "local_file", None)),
             )
             if value is not None
         ]
@@ -69,6 +72,7 @@ class RefitError(Exception):
             "file": self.file,
             "tensor": self.tensor,
             "field": self.field,
+            "local_file": getattr(self, "local_file", None),
             "mutation_started": self.mutation_started,
         }
 
@@ -82,7 +86,11 @@ def _rebuild(cls, reason, state):
 
 
 class Cancelled(RefitError):
-    """Work stopped on request: the run is ending (another stage failed, or it was interrupted)."""
+    """Work stopped on request: the run is ending because another stage failed."""
+
+
+class Interrupted(RefitError):
+    """The run was stopped from outside: Ctrl-C, SIGTERM or a Prefect cancellation."""
 
 
 # --- object storage -----------------------------------------------------------

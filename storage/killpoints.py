@@ -6,10 +6,16 @@ execution reaches ``name``, after appending ``name`` to the file named by
 ``CANONICAL_REFIT_KILLPOINT_LOG`` (so the parent knows where it died).
 ``CANONICAL_REFIT_KILLPOINT_PAUSE=seconds`` sleeps at every point instead,
 which gives a parent time to kill at a random moment between points.
+``CANONICAL_REFIT_KILLPOINT_GATE=name:path`` holds the process at the first
+``name`` until ``path`` exists (a test then signals it, kills a server, ...).
+``CANONICAL_REFIT_KILLPOINT_TRACE=path`` appends one JSON line per point
+reached (pid, point, monotonic time, version where known), so concurrency
+tests can order what several processes did.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -19,12 +25,17 @@ _SPEC = os.environ.get("CANONICAL_REFIT_KILLPOINT", "")
 _NAME, _, _NTH = _SPEC.partition(":")
 _PAUSE = float(os.environ.get("CANONICAL_REFIT_KILLPOINT_PAUSE", "0") or 0)
 _LOG = os.environ.get("CANONICAL_REFIT_KILLPOINT_LOG", "")
+_TRACE = os.environ.get("CANONICAL_REFIT_KILLPOINT_TRACE", "")
+_GATE_NAME, _, _GATE_PATH = os.environ.get("CANONICAL_REFIT_KILLPOINT_GATE", "").partition(":")
+_gated: set[str] = set()
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
 
 POINTS = (
+    "lock.exclusive",     # the preparation lock was taken
     "seed.copied",        # launch snapshot copied, not yet verified
     "fetch.file",         # one artifact file downloaded and recorded
+    "fetch.stopped",      # the fetch stage ended (every download finished, failed or was cancelled)
     "state.updating",     # UPDATING written, nothing changed yet
     "apply.base_released",  # base's verified record forgotten, folder not yet renamed
     "apply.materialized", # base taken over or copied, before patching
@@ -38,8 +49,20 @@ POINTS = (
 )
 
 
-def killpoint(name: str) -> None:
+# reached only when a run fails: traced and gated like the others, not part of the happy-path harness
+FAILURE_POINTS = (
+    "rollback.start",     # a failed update is about to be rolled back (after the fetch was joined)
+)
+
+
+def killpoint(name: str, version: str | None = None) -> None:
     """Die here if the harness asked for it; otherwise do nothing."""
+    if _TRACE:
+        _trace(name, version)
+    if _GATE_NAME and name == _GATE_NAME and name not in _gated:
+        _gated.add(name)
+        while not os.path.exists(_GATE_PATH):
+            time.sleep(0.02)
     if _PAUSE:
         _log(name)
         time.sleep(_PAUSE)
@@ -59,3 +82,12 @@ def _log(name: str) -> None:
             fh.write(f"{name}\n")
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def _trace(name: str, version: str | None) -> None:
+    line = json.dumps({"pid": os.getpid(), "what": name, "version": version, "t": time.monotonic_ns()})
+    fd = os.open(_TRACE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)

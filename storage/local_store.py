@@ -1,11 +1,12 @@
-"""The receiver's local checkpoint store (SPEC section 7).
+"""The receiver's local checkpoint store, and the one place its state changes.
 
 One folder per model, laid out so a person can inspect it with ``ls`` and
-``cat``; every state file is small JSON written atomically and durably::
+``cat``; every state file is small JSON written atomically and durably
+(``storage/durable.py``)::
 
     state.json            status (READY/UPDATING) of the current prepared checkpoint
     active.json           identity of what the engine runs
-    poisoned.json         present while the engine may hold partial weights
+    poisoned.json         present while the engine may hold partial weights (and how to re-install)
     full/{v}/             immutable full checkpoints (launch snapshot, full revisions)
     full/{v}.source.json  where a full artifact came from, and its files' identity
     deltas/{v}/           immutable downloaded delta artifacts (index + buckets)
@@ -14,8 +15,30 @@ One folder per model, laid out so a person can inspect it with ``ls`` and
     chains/{v}.json       how to rebuild {v}: its full version and deltas
     verified/{v}.json     digests, per-tensor checksums and file identity of a verified checkpoint
     catalog/{v}.json      memo of immutable catalog records
-    tmp/                  staging for downloads and copies (cleared on recovery)
+    tmp/                  staging of copies (cleared on recovery)
     lock                  the fcntl lock file
+
+States and the named steps that move between them (``docs/format.md``)::
+
+                    begin_update(v)                       commit_ready(record)
+      READY(p) ────────────────────────▶ UPDATING(v, previous=p) ────────────────▶ READY(v)
+         ▲  │ point_at(record)                 │        │ release_base(p): a takeover
+         │  └──────────▶ READY(q)              │        │ forgets p before renaming it
+         │                                     │ put_back(p, folder): undone takeover
+         │            recover()                ▼
+         └──────────────────────────── discard the half-written folder;
+                                         READY at p, the active version, or the best left
+
+      installed identity:  activate(v, installer) ─▶ active.json = v; poisoned mark cleared
+      poisoned overlay:    mark_poisoned(v, installer) ─▶ poisoned.json (installs refused
+                           until a re-install through that installer succeeds and activates)
+
+Every transition is one of the methods named above; nothing else in the
+project writes ``state.json``, ``verified/``, ``chains/``, ``active.json`` or
+``poisoned.json``. Transitions that change a checkpoint's state are called
+under the exclusive store lock; ``activate`` and ``mark_poisoned`` under the
+shared one (the installation fence). A kill at any instant leaves files that
+``recover`` turns back into a trustworthy state.
 """
 
 from __future__ import annotations
@@ -23,17 +46,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
+from typing import TypeVar
 
-from storage.durable import atomic_write_json, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size
-from storage.errors import StoreError
+from storage.durable import (
+    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, read_json_file,
+    remove_tree, temp_name, tree_size,
+)
+from storage.errors import InstallError, RefitError, StoreError
 from storage.killpoints import killpoint
 from storage.locks import StoreLock
 
 log = logging.getLogger("canonical_refit.store")
 
 READY, UPDATING = "READY", "UPDATING"
+T = TypeVar("T")
 
 
 def now_ms() -> int:
@@ -65,6 +93,13 @@ class VerifiedCheckpoint:
     checksums: dict
     files: dict
     verified_at_unix_ms: int = 0
+    boot_id: str | None = None  # the boot during which it was verified
+    flushed: bool = True  # its bytes are known to be on disk (fsynced) — else trusted only in the same boot
+
+    @property
+    def trusted(self) -> bool:
+        """Its bytes may be used without re-hashing: they reached the disk, or the machine has not restarted."""
+        return self.flushed or self.boot_id == boot_id()
 
 
 @dataclass(frozen=True)
@@ -81,6 +116,17 @@ class ActiveIdentity:
 
 
 @dataclass(frozen=True)
+class PoisonedMark:
+    """Contents of ``poisoned.json``: why installs are refused, and the installer to recover through."""
+
+    reason: str
+    version: str | None
+    installer: str
+    engine_urls: tuple[str, ...] = ()
+    since_unix_ms: int = 0
+
+
+@dataclass(frozen=True)
 class Chain:
     """Contents of ``chains/{v}.json``: rebuild {v} by copying ``full_version`` and applying ``deltas``."""
 
@@ -93,17 +139,58 @@ def store_folder_name(model: str) -> str:
     return model.replace("/", "--")
 
 
-class LocalStore:
-    """Paths, state records and locks of one model's local store."""
+def _record(cls: type[T], path: Path) -> T | None:
+    """A state file parsed into ``cls``; None if absent; ``StoreError`` naming the file if malformed."""
+    try:
+        raw = read_json_file(path)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StoreError(f"state file is not valid JSON ({exc}); move it away and run `recover`",
+                         local_file=str(path)) from None
+    except OSError as exc:
+        raise StoreError(f"state file cannot be read ({exc})", local_file=str(path)) from exc
+    if raw is None:
+        return None
+    names = {f.name for f in fields(cls)}
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
+        value = cls(**{k: v for k, v in raw.items() if k in names})
+    except TypeError as exc:
+        raise StoreError(f"state file does not hold a {cls.__name__} record ({exc}); move it away and run "
+                         "`recover`", local_file=str(path)) from None
+    return value
 
-    def __init__(self, cache_dir: Path, model: str, *, quota_bytes: int = 500 * 10**9):
+
+class LocalStore:
+    """Paths, records and transitions of one model's local store."""
+
+    def __init__(self, cache_dir: Path, model: str, *, quota_bytes: int = 500 * 10**9, create: bool = True):
         if quota_bytes <= 0:
             raise StoreError(f"cache quota must be positive, got {quota_bytes} bytes")
         self.model = model
         self.root = Path(cache_dir).expanduser().resolve() / store_folder_name(model)
         self.quota_bytes = quota_bytes
+        if create:
+            self.create()
+
+    def create(self) -> None:
+        """Make the store's folders (the first run on a host does this under its lock)."""
         for sub in ("full", "deltas", "materialized", "chains", "verified", "catalog", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    def pristine(self) -> bool:
+        """True if nothing was ever stored here: only the lock file and empty folders."""
+        for entry in os.scandir(self.root):
+            if entry.is_dir(follow_symlinks=False):
+                if any(os.scandir(entry.path)):
+                    return False
+            elif entry.name != "lock":
+                return False
+        return True
 
     # -- paths --------------------------------------------------------------------------
 
@@ -136,6 +223,16 @@ class LocalStore:
     def materialized_dir(self, version: str) -> Path:
         return self.root / "materialized" / version
 
+    def _verified_path(self, version: str) -> Path:
+        return self.root / "verified" / f"{version}.json"
+
+    def _chain_path(self, version: str) -> Path:
+        return self.root / "chains" / f"{version}.json"
+
+    def staging(self, label: str) -> Path:
+        """A new folder name under ``tmp/`` that belongs to this process (its creator removes it on failure)."""
+        return self.tmp_dir / temp_name(label)
+
     def relative(self, path: Path) -> str:
         return str(Path(path).relative_to(self.root))
 
@@ -144,57 +241,38 @@ class LocalStore:
 
     # -- locks --------------------------------------------------------------------------
 
-    def exclusive(self, timeout_s: float, what: str = "preparation") -> StoreLock:
-        return StoreLock(self.root / "lock", exclusive=True, timeout_s=timeout_s, what=what)
+    def exclusive(self, timeout_s: float, what: str = "preparation", stop=None) -> StoreLock:
+        return StoreLock(self.root / "lock", exclusive=True, timeout_s=timeout_s, what=what, stop=stop)
 
-    def shared(self, timeout_s: float, what: str = "installation") -> StoreLock:
-        return StoreLock(self.root / "lock", exclusive=False, timeout_s=timeout_s, what=what)
+    def shared(self, timeout_s: float, what: str = "installation", stop=None) -> StoreLock:
+        return StoreLock(self.root / "lock", exclusive=False, timeout_s=timeout_s, what=what, stop=stop)
 
-    # -- state.json -----------------------------------------------------------------------
+    # -- reading ------------------------------------------------------------------------
 
     def state(self) -> StoreState | None:
-        raw = read_json_file(self.state_path)
-        return StoreState(**raw) if isinstance(raw, dict) else None
+        return _record(StoreState, self.state_path)
 
-    def write_state(self, state: StoreState) -> None:
-        try:
-            atomic_write_json(self.state_path, asdict(state) | {"updated_at_unix_ms": now_ms()})
-        except OSError as exc:  # e.g. ENOSPC: the old state.json is still in place (atomic replace)
-            raise StoreError(f"could not write the store state ({exc})", revision=state.version,
-                             file=str(self.state_path)) from exc
+    def active(self) -> ActiveIdentity | None:
+        return _record(ActiveIdentity, self.active_path)
 
-    def mark_updating(self, version: str, source: Path, previous: str | None) -> None:
-        """Durably record that ``source`` is about to change (before its first byte does)."""
-        self.write_state(StoreState(UPDATING, version, {}, self.relative(source), previous))
-        killpoint("state.updating")
+    def poisoned(self) -> PoisonedMark | None:
+        mark = _record(PoisonedMark, self.poisoned_path)
+        return replace(mark, engine_urls=tuple(mark.engine_urls)) if mark is not None else None
 
-    def mark_ready(self, checkpoint: VerifiedCheckpoint) -> None:
-        self.write_state(StoreState(READY, checkpoint.version, checkpoint.files, checkpoint.path))
-
-    # -- verified checkpoints -----------------------------------------------------------------
-
-    def _verified_path(self, version: str) -> Path:
-        return self.root / "verified" / f"{version}.json"
-
-    def record_verified(self, checkpoint: VerifiedCheckpoint) -> None:
-        atomic_write_json(self._verified_path(checkpoint.version), asdict(checkpoint))
-
-    def forget_verified(self, version: str) -> None:
-        path = self._verified_path(version)
-        if path.exists():
-            path.unlink()
-            fsync_dir(path.parent)
+    def chain(self, version: str) -> Chain | None:
+        chain = _record(Chain, self._chain_path(version))
+        return replace(chain, deltas=tuple(chain.deltas)) if chain is not None else None
 
     def verified(self, version: str, *, check_files: bool = True) -> VerifiedCheckpoint | None:
-        """The verified record of ``version`` if its files are unchanged, else None."""
-        raw = read_json_file(self._verified_path(version))
-        if not isinstance(raw, dict):
+        """The verified record of ``version`` if its files are unchanged and trusted, else None.
+
+        A checkpoint verified before a restart whose bytes were not yet known
+        to be on disk is not trusted until ``recover`` has re-hashed it.
+        """
+        record = _record(VerifiedCheckpoint, self._verified_path(version))
+        if record is None:
             return None
-        try:
-            record = VerifiedCheckpoint(**raw)
-        except TypeError:
-            return None
-        if check_files and not self.files_match(record.path, record.files):
+        if check_files and (not record.trusted or not self.files_match(record.path, record.files)):
             return None
         return record
 
@@ -216,35 +294,139 @@ class LocalStore:
                 out[record.version] = record
         return out
 
-    # -- chains -------------------------------------------------------------------------------
-
-    def write_chain(self, chain: Chain) -> None:
-        atomic_write_json(self.root / "chains" / f"{chain.version}.json",
-                          {"version": chain.version, "full_version": chain.full_version,
-                           "deltas": list(chain.deltas)})
-
-    def chain(self, version: str) -> Chain | None:
-        raw = read_json_file(self.root / "chains" / f"{version}.json")
-        if not isinstance(raw, dict):
+    def current(self) -> VerifiedCheckpoint | None:
+        """The verified checkpoint ``state.json`` points at, if READY and intact."""
+        state = self.state()
+        if state is None or state.status != READY or state.version is None:
             return None
-        return Chain(raw["version"], raw["full_version"], tuple(raw.get("deltas", ())))
+        record = self.verified(state.version)
+        if record is None or record.path != state.source:
+            return None
+        return record
 
-    # -- installed identity and poisoning -----------------------------------------------------------
+    def describe(self) -> dict:
+        """Everything ``flows.refit status`` prints."""
+        state, active, poisoned = self.state(), self.active(), self.poisoned()
+        return {
+            "store": str(self.root),
+            "state": asdict(state) if state else None,
+            "active": asdict(active) if active else None,
+            "poisoned": asdict(poisoned) if poisoned else None,
+            "verified": sorted(self.inventory()),
+            "bytes": tree_size(self.root),
+            "quota_bytes": self.quota_bytes,
+        }
 
-    def active(self) -> ActiveIdentity | None:
-        raw = read_json_file(self.active_path)
-        return ActiveIdentity(**raw) if isinstance(raw, dict) else None
+    # -- transitions of the prepared checkpoint (exclusive lock) ----------------------------------
 
-    def write_active(self, identity: ActiveIdentity) -> None:
+    def _write_state(self, state: StoreState) -> None:
+        try:
+            atomic_write_json(self.state_path, asdict(state) | {"updated_at_unix_ms": now_ms()})
+        except OSError as exc:  # e.g. ENOSPC: the old state.json is still in place (atomic replace)
+            raise StoreError(f"could not write the store state ({exc})", revision=state.version,
+                             file=str(self.state_path)) from exc
+
+    def begin_update(self, version: str, folder: Path, previous: str | None) -> None:
+        """READY → UPDATING: durably record that ``folder`` is about to change, before its first byte does."""
+        self._write_state(StoreState(UPDATING, version, {}, self.relative(folder), previous))
+        killpoint("state.updating")
+
+    def release_base(self, version: str) -> None:
+        """Inside UPDATING: forget the base about to be taken over by rename (its bytes will change)."""
+        self._forget(version)
+        killpoint("apply.base_released")
+
+    def commit_ready(self, record: VerifiedCheckpoint, chain: Chain) -> None:
+        """UPDATING → READY(v): the verified record and how to rebuild it, then the state, all durable."""
+        try:
+            atomic_write_json(self._verified_path(record.version), asdict(record))
+            atomic_write_json(self._chain_path(chain.version),
+                              {"version": chain.version, "full_version": chain.full_version,
+                               "deltas": list(chain.deltas)})
+        except OSError as exc:  # e.g. ENOSPC: typed, so the run restores the previous checkpoint
+            raise StoreError(f"could not record the verified checkpoint ({exc})", revision=record.version,
+                             file=str(self.absolute(record.path)), mutation_started=True) from exc
+        killpoint("verify.recorded")
+        self._write_state(StoreState(READY, record.version, record.files, record.path))
+
+    def mark_flushed(self, record: VerifiedCheckpoint) -> bool:
+        """Note that ``record``'s bytes reached the disk (after an fsync of its files); False if it changed since.
+
+        Only strengthens trust, so it may run under the shared lock (a background flush).
+        """
+        current = _record(VerifiedCheckpoint, self._verified_path(record.version))
+        if current is None or current.flushed or (current.path, current.files) != (record.path, record.files):
+            return False
+        if not self.files_match(current.path, current.files):
+            return False
+        atomic_write_json(self._verified_path(current.version), asdict(replace(current, flushed=True)))
+        return True
+
+    def point_at(self, record: VerifiedCheckpoint) -> None:
+        """READY → READY(v): make an intact verified checkpoint the current one (no bytes change)."""
+        self._write_state(StoreState(READY, record.version, record.files, record.path))
+
+    def put_back(self, base: VerifiedCheckpoint, folder: Path) -> VerifiedCheckpoint:
+        """UPDATING → READY(base): a taken-over base whose patched bytes were undone and re-verified.
+
+        Renames ``folder`` back, re-records the base with the files' new
+        identity, repoints an installed identity that names those bytes.
+        """
+        base_path = self.absolute(base.path)
+        os.rename(folder, base_path)
+        fsync_dir(base_path.parent)
+        restored = replace(base, files=folder_identity(base_path), verified_at_unix_ms=now_ms(), boot_id=boot_id(),
+                           flushed=False)  # the undone bytes are in the page cache
+        atomic_write_json(self._verified_path(restored.version), asdict(restored))
+        self.follow_active(restored)
+        self.point_at(restored)
+        return restored
+
+    def follow_active(self, record: VerifiedCheckpoint) -> None:
+        """If the engine runs ``record``'s bytes, the installed identity must name the files now holding them."""
+        active = self.active()
+        if active is not None and (active.version, active.digest) == (record.version, record.target_digest):
+            atomic_write_json(self.active_path, asdict(replace(active, path=record.path, files=record.files)))
+
+    def evict(self, version: str, folder: Path) -> None:
+        """Remove a cached folder to make room; a checkpoint's verified record goes first."""
+        record = self.verified(version, check_files=False)
+        if record is not None and record.path == self.relative(folder):
+            self._forget(version)
+        remove_tree(folder)
+        (folder.parent / f"{version}.source.json").unlink(missing_ok=True)
+
+    def _forget(self, version: str) -> None:
+        path = self._verified_path(version)
+        if path.exists():
+            path.unlink()
+            fsync_dir(path.parent)
+
+    # -- the installed identity (shared lock: the installation fence) --------------------------
+
+    def activate(self, version: str, installer: str) -> ActiveIdentity:
+        """Record that the engine now runs the prepared checkpoint ``version``; clear a poisoned mark."""
+        record = self.current()
+        if record is None or record.version != version:
+            prepared = record.version if record is not None else "no verified checkpoint"
+            raise InstallError(f"cannot activate {version}: the prepared checkpoint is {prepared}; only the "
+                               f"checkpoint the last refit installed can be activated (run a refit to "
+                               f"{version} to install it)", revision=version, file=str(self.state_path))
+        identity = ActiveIdentity(
+            version=record.version, digest=record.target_digest, format_digest=record.format_digest,
+            files=record.files, path=record.path, installer=installer, installed_at_unix_ms=now_ms(),
+        )
         atomic_write_json(self.active_path, asdict(identity))
+        killpoint("activate.written", version)
+        self.clear_poisoned()
+        return identity
 
-    def poisoned(self) -> dict | None:
-        raw = read_json_file(self.poisoned_path)
-        return raw if isinstance(raw, dict) else None
-
-    def mark_poisoned(self, reason: str, version: str | None, installer: str) -> None:
-        atomic_write_json(self.poisoned_path, {"reason": reason, "version": version, "installer": installer,
-                                               "since_unix_ms": now_ms()})
+    def mark_poisoned(self, reason: str, version: str | None, installer: str,
+                      engine_urls: tuple[str, ...] = ()) -> PoisonedMark:
+        """The engine may hold partial weights: refuse installs until a re-install through ``installer``."""
+        mark = PoisonedMark(reason, version, installer, tuple(engine_urls), now_ms())
+        atomic_write_json(self.poisoned_path, asdict(mark) | {"engine_urls": list(mark.engine_urls)})
+        return mark
 
     def clear_poisoned(self) -> None:
         if self.poisoned_path.exists():
@@ -254,33 +436,38 @@ class LocalStore:
     # -- recovery -----------------------------------------------------------------------------
 
     def recover(self) -> list[str]:
-        """Bring the store back to a trustworthy state; call under the exclusive lock.
+        """Bring the store back to a trustworthy state; call under the exclusive lock, nothing else running.
 
         A checkpoint left ``UPDATING`` is discarded (never trusted), verified
-        records whose files changed are forgotten, and folders nothing
-        vouches for (half-copied, renamed mid-takeover) are removed. The state
-        then points at the best verified checkpoint still intact. Returns what
-        was done, in words, for the run's log.
+        records whose files changed are forgotten, and folders nothing vouches
+        for (half-copied, renamed mid-takeover) are removed. Temporary files
+        of other processes (a killed writer's) are swept; this process's own
+        are not, so a recovery can never pull a file from under a live write
+        of its own run. The state then points at the best verified checkpoint
+        still intact. Returns what was done, in words, for the run's log.
         """
         actions: list[str] = []
-        remove_tree(self.tmp_dir)
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self.create()
+        for entry in list(self.tmp_dir.iterdir()):
+            if is_temp_of_other_process(entry.name):
+                remove_tree(entry)
         swept = self._sweep_temp_files()
         if swept:
-            actions.append(f"removed {swept} temporary file(s) left by an interrupted write or download")
+            actions.append(f"removed {swept} temporary file(s) left by an interrupted write")
         state = self.state()
         if state is not None and state.status == UPDATING:
             if state.source:
                 remove_tree(self.absolute(state.source))
                 if state.version:
-                    self.forget_verified(state.version)
+                    self._forget(state.version)
             actions.append(f"discarded the half-written checkpoint of {state.version} ({state.source})")
             killpoint("recover.discarded")
         for path in sorted((self.root / "verified").glob("*.json")):
-            raw = read_json_file(path)
-            record = self.verified(path.stem)
-            if record is None and isinstance(raw, dict):
-                self.forget_verified(path.stem)
+            record = self.verified(path.stem, check_files=False)
+            if record is not None and not record.trusted and self.files_match(record.path, record.files):
+                actions.append(self._reverify(record))
+            if self.verified(path.stem) is None:
+                self._forget(path.stem)
                 actions.append(f"forgot {path.stem}: its files changed outside the receiver or are missing")
         trusted = {record.path for record in self.inventory().values()}
         for folder in sorted((self.root / "materialized").iterdir()):
@@ -291,14 +478,34 @@ class LocalStore:
         self._repoint_state(state)
         return actions
 
+    def _reverify(self, record: VerifiedCheckpoint) -> str:
+        """A checkpoint verified before a restart, never known to be on disk: re-hash it before trusting it."""
+        from storage.checkpoint import CheckpointIndex
+
+        folder = self.absolute(record.path)
+        try:
+            index = CheckpointIndex.open(folder, revision=record.version)
+            same = index.checksums(record.checksum_format) == record.checksums
+        except (OSError, ValueError, RefitError) as exc:
+            same = False
+            log.warning("could not re-verify %s after a restart: %s", record.version, exc)
+        if not same:
+            self._forget(record.version)
+            return (f"forgot {record.version}: verified before a restart but not yet on disk, and its bytes no "
+                    "longer match; it will be rebuilt")
+        fsync_files(folder, record.files)
+        atomic_write_json(self._verified_path(record.version),
+                          asdict(replace(record, flushed=True, boot_id=boot_id())))
+        return f"re-verified {record.version} after a restart (its bytes were not known to be on disk)"
+
     def _sweep_temp_files(self) -> int:
-        """Remove ``.{name}.{id}.tmp`` / ``.part`` files that a killed writer left (exclusive lock held)."""
+        """Remove temporary files a killed writer left (other processes' only)."""
         folders = [self.root] + [self.root / sub for sub in ("full", "deltas", "verified", "chains", "catalog")]
         folders += [p for sub in ("full", "deltas") for p in (self.root / sub).iterdir() if p.is_dir()]
         count = 0
         for folder in folders:
             for entry in os.scandir(folder):
-                if entry.name.startswith(".") and entry.name.endswith((".tmp", ".part")) and entry.is_file():
+                if entry.is_file() and is_temp_of_other_process(entry.name):
                     os.unlink(entry.path)
                     count += 1
         return count
@@ -317,31 +524,7 @@ class LocalStore:
         if not candidates and inventory:
             candidates = sorted(inventory.values(), key=lambda r: (r.sequence, r.verified_at_unix_ms))[-1:]
         if candidates:
-            self.mark_ready(candidates[0])
+            self.point_at(candidates[0])
             log.info("store %s: current checkpoint is now %s", self.root, candidates[0].version)
         elif before is not None:
-            self.write_state(StoreState(READY, None))
-
-    def current(self) -> VerifiedCheckpoint | None:
-        """The verified checkpoint ``state.json`` points at, if READY and intact."""
-        state = self.state()
-        if state is None or state.status != READY or state.version is None:
-            return None
-        record = self.verified(state.version)
-        if record is None or record.path != state.source:
-            return None
-        return record
-
-    def describe(self) -> dict:
-        """Everything ``flows.refit status`` prints."""
-        state, active = self.state(), self.active()
-        return {
-            "store": str(self.root),
-            "state": asdict(state) if state else None,
-            "active": asdict(active) if active else None,
-            "poisoned": self.poisoned(),
-            "verified": sorted(self.inventory()),
-            "bytes": tree_size(self.root),
-            "quota_bytes": self.quota_bytes,
-        }
-
+            self._write_state(StoreState(READY, None))

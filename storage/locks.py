@@ -1,7 +1,7 @@
 """Inter-process reader/writer locks on one lock file (fcntl).
 
 Preparation takes the lock exclusively; installation holds it shared from
-validation to activation (the installation fence of SPEC section 7), so
+validation to activation (the installation fence of docs/format.md, section 7), so
 tensor-parallel ranks can load at once while no preparation can change the
 checkpoint under them. Open-file-description locks are used where the OS has
 them: they belong to the open file, not the process (a second open in the
@@ -43,11 +43,22 @@ def _try_lock(fd: int, exclusive: bool) -> bool:
         return False
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """True if ``path`` still names the file open as ``fd`` (a lock on an unlinked file guards nothing)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
 class StoreLock:
     """One acquisition of the store lock; use as a context manager."""
 
-    def __init__(self, path: Path, *, exclusive: bool, timeout_s: float, what: str):
+    def __init__(self, path: Path, *, exclusive: bool, timeout_s: float, what: str, stop=None):
         self.path = Path(path)
+        self.stop = stop  # a StopToken: an interrupted run stops waiting
         self.exclusive = exclusive
         self.timeout_s = timeout_s
         self.what = what
@@ -68,6 +79,8 @@ class StoreLock:
                         f"{self.timeout_s:.0f}s allowed for {self.what}",
                         file=str(self.path),
                     )
+                if self.stop is not None:
+                    self.stop.check(file=str(self.path))
                 if not announced and waited > 1.0:
                     log.info("waiting for another receiver's %s lock on %s (%s)",
                              "exclusive" if self.exclusive else "shared", self.path, self.what)
@@ -77,6 +90,9 @@ class StoreLock:
         except BaseException:
             os.close(fd)
             raise
+        if not _same_file(fd, self.path):  # the folder was removed and made again while we waited
+            os.close(fd)
+            return self.acquire()
         self.waited_s = time.monotonic() - start
         self._fd = fd
         return self

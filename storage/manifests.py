@@ -1,4 +1,4 @@
-"""Index manifests of full checkpoints and XOR deltas (SPEC section 5), validated in one place."""
+"""Index manifests of full checkpoints and XOR deltas (docs/format.md, section 5), validated in one place."""
 
 from __future__ import annotations
 
@@ -83,9 +83,10 @@ def parse_full_manifest(raw: bytes, revision: Revision) -> Manifest:
     if not isinstance(metadata, dict):
         raise ManifestError("index metadata is not an object", revision=revision.version, file=uri, field="metadata")
     checksum_format = metadata.get("checksum_format")
-    if checksum_format is not None and checksum_format not in CHECKSUM_FORMATS:
-        raise ManifestError(f"unsupported checksum format {checksum_format!r}", revision=revision.version,
-                            file=uri, field="checksum_format")
+    if "checksum_format" in metadata and checksum_format not in CHECKSUM_FORMATS:  # null included
+        raise ManifestError(f"unsupported checksum format {checksum_format!r} (supported: "
+                            f"{', '.join(CHECKSUM_FORMATS)})", revision=revision.version, file=uri,
+                            field="checksum_format")
     weight_map = _weight_map(value, revision, uri, allow_empty=False)
     return Manifest(revision, uri, weight_map, checksum_format, None, raw)
 
@@ -128,6 +129,14 @@ def parse_manifest(raw: bytes, revision: Revision) -> Manifest:
     if revision.payload_format == "full_hf_checkpoint":
         return parse_full_manifest(raw, revision)
     raise FormatError("a metadata_only revision has no manifest", revision=revision.version)
+
+
+def require_same_tensors(manifest: Manifest, layout: Mapping[str, object]) -> None:
+    """A full revision's index must map exactly the local checkpoint's tensors."""
+    for tensor in sorted(set(manifest.weight_map) ^ set(layout)):
+        where = ("is in the index but not in the local checkpoint" if tensor in manifest.weight_map
+                 else "of the local checkpoint is missing from the index")
+        raise ManifestError(f"tensor {where}", revision=manifest.version, file=manifest.uri, tensor=tensor)
 
 
 def require_known_tensors(manifest: Manifest, layout: Mapping[str, object]) -> None:

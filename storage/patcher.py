@@ -14,55 +14,26 @@ place: XOR deltas are their own inverse, and overwritten bytes were saved.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from storage.cancel import StopToken
 from storage.checkpoint import CheckpointIndex, TensorLocation
-from storage.codec import Decoder, make_decoder
+from storage.codec import Decoder, ValidatedFrame, make_decoder, validate_frame
 from storage.digests import is_checksum, new_checksum
-from storage.errors import ChecksumMismatch, CodecError, FormatError, ManifestError, RefitError
+from storage.errors import Cancelled, ChecksumMismatch, CodecError, ManifestError, RefitError
 from storage.killpoints import killpoint
 from storage.manifests import Manifest
+from storage.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
 from storage.safetensors import read_header
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 2**20  # per tensor block: the block and each decoder's scratch stay in cache
 MIN_FOLD_BLOCK = 256 * 2**10
-PAGE = mmap.PAGESIZE
-MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+: fault a range in with one call
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
-
-
-try:  # libc's madvise through ctypes: unlike mmap.madvise it runs without the GIL
-    import ctypes
-
-    _libc_madvise = ctypes.CDLL(None, use_errno=True).madvise
-    _libc_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    _libc_madvise.restype = ctypes.c_int
-except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc: faults happen on first touch
-    _libc_madvise = None
-
-
-def _advise(view: np.ndarray, start: int, length: int, advice: int) -> None:
-    """``madvise`` bytes ``[start, start+length)`` of the mapping behind ``view`` (widened to pages).
-
-    POPULATE: one call instead of a page fault per 4 KiB (faults made in-place
-    XOR run at under 2 GB/s). DONTNEED on a shared file mapping only unmaps:
-    dirty pages stay in the page cache and reach the disk with the final
-    fsync, so the process does not hold the whole checkpoint resident. The call
-    goes through ctypes so that applier threads do not queue on the GIL while
-    the kernel works; a kernel without the advice is simply ignored.
-    """
-    if length <= 0 or _libc_madvise is None:
-        return
-    aligned = start - start % PAGE
-    _libc_madvise(view.ctypes.data + aligned, min(view.size - aligned, length + start - aligned), advice)
 
 
 @dataclass(frozen=True)
@@ -77,6 +48,7 @@ class PatchStep:
     end: int
     checksum: str
     checksum_format: str
+    validated: ValidatedFrame | None = None  # what bucket_steps proved about the frame: apply skips the pass
 
     def context(self, tensor: str) -> dict:
         return {"revision": self.revision, "file": self.bucket_uri, "tensor": tensor}
@@ -193,70 +165,60 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
         start = header.data_offset + info.start
         out[name] = PatchStep(version, manifest.delta_encoding, path, uri, start, start + info.nbytes,
                               checksum, manifest.checksum_format)
-    with open(path, "rb") as fh:
-        m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    for name, step in out.items():
-        # building a decoder validates the frame's structure (a sparse record whole); nothing is applied
-        make_decoder(step.encoding, memoryview(m)[step.start:step.end], checkpoint[name].nbytes,
-                     block_size=BLOCK_SIZE, **step.context(name)).close()
+    with MappedFiles(path.parent) as maps:
+        data = maps.array(path.name)
+        for name, step in list(out.items()):
+            # one streaming pass validates the frame (a sparse record whole); nothing is applied
+            summary = validate_frame(step.encoding, memoryview(data[step.start:step.end]), checkpoint[name].nbytes,
+                                     **step.context(name))
+            out[name] = replace(step, validated=summary)
     return out
 
 
 class _Maps:
-    """Shared mmaps: the checkpoint's shards writable, buckets read-only (opened as they arrive)."""
+    """The checkpoint's shards mapped writable; buckets read-only, mapped as they arrive."""
 
-    def __init__(self, folder: Path, shard_names):
+    def __init__(self, folder: Path):
+        self.shards = MappedFiles(folder, writable=True)
         self._lock = threading.Lock()
-        self.shards: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
-        self.buckets: dict[Path, np.ndarray] = {}
-        for name in shard_names:
-            with open(folder / name, "r+b") as fh:
-                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_WRITE)
-            self.shards[name] = (m, np.frombuffer(m, dtype=np.uint8))
+        self._buckets: dict[Path, MappedFiles] = {}
 
     def _bucket(self, step: PatchStep) -> np.ndarray:
         with self._lock:
-            view = self.buckets.get(step.bucket)
-            if view is None:
-                with open(step.bucket, "rb") as fh:
-                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-                view = self.buckets[step.bucket] = np.frombuffer(m, dtype=np.uint8)
-            return view
+            files = self._buckets.get(step.bucket.parent)
+            if files is None:
+                files = self._buckets[step.bucket.parent] = MappedFiles(step.bucket.parent)
+        return files.array(step.bucket.name)
 
     def frame(self, step: PatchStep) -> memoryview:
         view = self._bucket(step)
-        _advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
+        advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
         return memoryview(view)[step.start : step.end]
 
     def release_frame(self, step: PatchStep) -> None:
-        _advise(self._bucket(step), step.start, step.end - step.start, MADV_DONTNEED)
+        advise(self._bucket(step), step.start, step.end - step.start, MADV_DONTNEED)
 
     def block(self, location: TensorLocation, offset: int, size: int) -> np.ndarray:
         """A writable, pre-faulted view of ``size`` bytes of the tensor from ``offset``."""
-        _, array = self.shards[location.file]
         size = min(size, location.nbytes - offset)
-        _advise(array, location.offset + offset, size, MADV_POPULATE_WRITE)
+        self.shards.advise(location.file, location.offset + offset, size, MADV_POPULATE_WRITE)
         start = location.offset + offset
-        return array[start : start + size]
+        return self.shards.array(location.file)[start : start + size]
 
     def release_block(self, location: TensorLocation, offset: int, size: int) -> None:
-        _, array = self.shards[location.file]
-        _advise(array, location.offset + offset, min(size, location.nbytes - offset), MADV_DONTNEED)
+        self.shards.advise(location.file, location.offset + offset, min(size, location.nbytes - offset),
+                           MADV_DONTNEED)
 
     def flush(self) -> None:
-        for m, _array in self.shards.values():
-            m.flush()
+        self.shards.flush()
 
     def close(self) -> None:
         """Drop every mapping now (not at garbage collection): a mapping pins its filesystem."""
-        maps = [m for m, _ in self.shards.values()] + [v.base for v in self.buckets.values()]
-        self.shards.clear()
-        self.buckets.clear()
-        for m in maps:
-            try:
-                m.close()
-            except (BufferError, AttributeError):  # a view is still alive somewhere: the GC closes it
-                pass
+        self.shards.close()
+        with self._lock:
+            buckets, self._buckets = list(self._buckets.values()), {}
+        for files in buckets:
+            files.close()
 
 
 @dataclass
@@ -284,27 +246,32 @@ def apply_patches(
     progress: Callable[[int], None] | None = None,
     undo_to: Mapping[str, str] | None = None,
     undo_format: str | None = None,
+    stop: StopToken | None = None,
 ) -> dict[str, str]:
     """Apply every plan in place to ``checkpoint``; returns each patched tensor's final checksum.
 
     Every step's checksum is checked on the running value; a mismatch raises
-    ``ChecksumMismatch`` naming the revision, bucket and tensor. On any error,
-    if ``undo_to`` (the base's verified checksums, format ``undo_format``) is
-    given, the bytes already patched are reverted and re-hashed against it:
-    the raised error then has ``undone = True`` when the checkpoint holds the
-    base again, ``False`` when it could not be proven (the caller rebuilds).
+    ``ChecksumMismatch`` naming the revision, bucket and tensor. ``stop`` (the
+    run's token) is checked between blocks. However the pass ends — an error
+    in any worker, the run stopped, or an exception in the calling thread —
+    every worker is stopped and joined before anything else happens, and the
+    first real error is the one raised (not a worker's "stopped because
+    another tensor failed"). Then, if ``undo_to`` (the base's verified
+    checksums, format ``undo_format``) is given, the bytes already patched are
+    reverted and re-hashed against it: the raised error has ``undone = True``
+    when the checkpoint holds the base again, ``False`` when it could not be
+    proven (the caller rebuilds).
     """
     if isinstance(source, (list, tuple)):
         source = StaticPlans(source)
     names = source.names()
     if not names:
         return {}
-    maps = _Maps(checkpoint.folder, {checkpoint.tensors[n].file for n in names})
-    stop = threading.Event()
+    halt = stop.child() if stop is not None else StopToken()  # stopped by the run, or by a failed worker
+    maps = _Maps(checkpoint.folder)
     progresses: list[_Progress] = []
     lock = threading.Lock()
-    failure: list[BaseException] = []
-
+    failures: list[BaseException] = []
     results: dict[str, str] = {}
 
     def one(name: str) -> None:
@@ -314,66 +281,90 @@ def apply_patches(
         state = _Progress(plan, size)
         with lock:
             progresses.append(state)
-        digest = _apply_tensor(maps, state, target_checksum_format, progress, stop)
+        digest = _apply_tensor(maps, state, target_checksum_format, progress, halt)
         with lock:
             results[name] = digest
 
+    def fail(exc: BaseException) -> None:
+        with lock:  # recorded before the others are told to stop, so it is the first error seen
+            failures.append(exc)
+        halt.stop(f"tensor failed: {exc}")
+        source.cancel()  # workers still waiting for a download give up
+
     def worker() -> None:
         try:
-            while not stop.is_set() and (name := source.take()) is not None:
+            while not halt.stopped and (name := source.take()) is not None:
                 one(name)
+            halt.check()
         except BaseException as exc:
-            stop.set()
-            source.cancel()  # workers still waiting for a download give up
-            with lock:
-                failure.append(exc)
+            fail(exc)
 
+    threads = [threading.Thread(target=worker, name=f"apply-{i}") for i in range(max(1, workers))]
     try:
-        threads = [threading.Thread(target=worker, name=f"apply-{i}") for i in range(max(1, workers))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if failure:
-            raise failure[0]
-        maps.flush()
-        return results
+        try:
+            for thread in threads:
+                thread.start()
+        finally:
+            _join_all(threads, on_interrupt=fail)
+        if failures:
+            raise _first_error(failures)
+        return results  # dirty pages reach the disk later (storage/flush.py): not on the refit's critical path
     except BaseException as exc:
         error = _mark_mutated(exc)
         if undo_to is not None:
             error.undone = _undo(maps, [p for p in progresses if p.touched], undo_to,
                                  undo_format or target_checksum_format, checkpoint)
-        raise error from (exc if error is not exc else None)
+        raise error
     finally:
+        halt.close()
         maps.close()
-        for name in {checkpoint.tensors[n].file for n in names}:
-            with open(checkpoint.folder / name, "rb+") as fh:
-                os.fsync(fh.fileno())
 
 
-def _mark_mutated(exc: BaseException) -> RefitError:
+def _join_all(threads: list[threading.Thread], *, on_interrupt: Callable[[BaseException], None]) -> None:
+    """Join every started thread, even if the calling thread is interrupted while waiting (told first)."""
+    for thread in threads:
+        while thread.ident is not None:
+            try:
+                thread.join()
+                break
+            except BaseException as exc:  # e.g. KeyboardInterrupt: stop the workers, keep waiting for them
+                on_interrupt(exc)
+
+
+def _first_error(failures: list[BaseException]) -> BaseException:
+    """The error that stopped the pass: a stop caused by another failure never hides that failure."""
+    for exc in failures:
+        if not isinstance(exc, Cancelled):
+            return exc
+    return failures[0]
+
+
+def _mark_mutated(exc: BaseException) -> BaseException:
+    """Errors of the pass carry ``mutation_started``; an interrupt stays an interrupt."""
     if isinstance(exc, RefitError):
         exc.mutation_started = True
+        return exc
+    if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: not bad input
         return exc
     wrapped = CodecError(f"apply failed: {type(exc).__name__}: {exc}", mutation_started=True)
     wrapped.__cause__ = exc
     return wrapped
 
 
-def _apply_tensor(maps: _Maps, state: _Progress, target_format: str, progress, stop) -> str:
+def _apply_tensor(maps: _Maps, state: _Progress, target_format: str, progress, halt: StopToken) -> str:
     plan, block_size = state.plan, state.block_size
     location = plan.location
     name = location.name
     state.decoders = [
-        make_decoder(s.encoding, maps.frame(s), location.nbytes, block_size=block_size, **s.context(name))
+        make_decoder(s.encoding, maps.frame(s), location.nbytes, block_size=block_size, validated=s.validated,
+                     **s.context(name))
         for s in plan.steps
     ]
     hashes = [new_checksum(s.checksum_format) for s in plan.steps]
     final_in_own_format = plan.steps[-1].checksum_format == target_format
     final = hashes[-1] if final_in_own_format else new_checksum(target_format)
     for offset in range(0, location.nbytes, block_size):
-        if stop.is_set():
-            raise FormatError("stopped after another tensor failed", tensor=name, mutation_started=True)
+        halt.check(tensor=name, mutation_started=True)
         block = maps.block(location, offset, block_size)
         for i, (decoder, h) in enumerate(zip(state.decoders, hashes)):
             decoder.apply(block, offset)
@@ -414,7 +405,7 @@ def _undo(maps: _Maps, touched: list[_Progress], base: Mapping[str, str], fmt: s
             plan, name, block_size = state.plan, state.plan.location.name, state.block_size
             fresh = [d if s.encoding == "overwrite" else
                      make_decoder(s.encoding, maps.frame(s), plan.location.nbytes, block_size=block_size,
-                                  **s.context(name))
+                                  validated=s.validated, **s.context(name))
                      for s, d in zip(plan.steps, state.decoders)]
             last = state.blocks + (1 if state.steps_in_block else 0)
             for b in range(last):
@@ -426,7 +417,6 @@ def _undo(maps: _Maps, touched: list[_Progress], base: Mapping[str, str], fmt: s
                         fresh[i].undo(block, offset)
                     else:
                         fresh[i].apply(block, offset)
-        maps.flush()
         names = [s.plan.location.name for s in touched]
         now = checkpoint.checksums(fmt, names=names, workers=2) if names else {}
         ok = all(now[n] == base.get(n) for n in names)

@@ -14,8 +14,9 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from storage.cancel import StopToken
 from storage.checkpoint import TensorLocation
-from storage.errors import RefitError, StoreError
+from storage.errors import Cancelled, RefitError, StoreError
 from storage.manifests import Manifest
 from storage.patcher import PatchStep, TensorPlan, bucket_steps
 
@@ -23,7 +24,8 @@ from storage.patcher import PatchStep, TensorPlan, bucket_steps
 class Arrivals:
     """Which artifact files are in the cache, and whether fetching may still bring the others."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop: StopToken | None = None) -> None:
+        self.stop = stop
         self._cond = threading.Condition()
         self._ready: set[tuple[str, str]] = set()
         self._errors: dict[tuple[str, str], RefitError] = {}
@@ -31,6 +33,16 @@ class Arrivals:
         self._admitted = False
         self._closed = False
         self._cancelled = False
+        if stop is not None:
+            stop.add_listener(self._wake)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _check_stop(self, **context) -> None:
+        if self.stop is not None:
+            self.stop.check(**context)
 
     # -- fetch side --------------------------------------------------------------------------
 
@@ -84,33 +96,42 @@ class Arrivals:
                             raise self._errors[key]
                 if self._fatal is not None:
                     raise self._fatal
+                self._check_stop()
                 if self._cancelled:
-                    raise StoreError("stopped waiting for downloads after another tensor failed")
+                    raise Cancelled("stopped waiting for downloads after another tensor failed")
                 if self._closed:
                     missing = next(k for keys in wants.values() for k in keys if k not in self._ready)
                     raise StoreError("the file was not fetched", revision=missing[0], file=missing[1])
                 self._cond.wait()
 
     def cancel(self) -> None:
-        """The apply side gave up: waiters stop waiting and fetching starts no new download."""
+        """The apply side gave up: waiters stop waiting, fetching starts no new download, downloads stop."""
         with self._cond:
             self._cancelled = True
             self._cond.notify_all()
+        if self.stop is not None:
+            self.stop.stop("the apply stage stopped")
+
+    def detach(self) -> None:
+        """Stop listening to the run's token (the fetch is over)."""
+        if self.stop is not None:
+            self.stop.remove_listener(self._wake)
 
     @property
     def cancelled(self) -> bool:
         return self._cancelled
 
-    def wait_closed(self) -> None:
-        """Block until the fetch side has finished (its downloads in flight complete or fail)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._closed)
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def wait_admitted(self) -> None:
         """Block until downloads may start; raises what stopped fetching before that."""
         with self._cond:
-            self._cond.wait_for(lambda: self._admitted or self._fatal is not None or self._closed)
+            self._cond.wait_for(lambda: self._admitted or self._fatal is not None or self._closed
+                                or (self.stop is not None and self.stop.stopped))
             if not self._admitted:
+                self._check_stop()
                 raise self._fatal or StoreError("fetching ended before any download started")
 
     def wait(self, version: str, name: str) -> None:
@@ -118,16 +139,17 @@ class Arrivals:
         key = (version, name)
         with self._cond:
             self._cond.wait_for(lambda: key in self._ready or key in self._errors or self._fatal is not None
-                                or self._closed or self._cancelled)
+                                or self._closed or self._cancelled or (self.stop is not None and self.stop.stopped))
             if key in self._ready:
                 return
             if key in self._errors:
                 raise self._errors[key]
             if self._fatal is not None:
                 raise self._fatal
+            self._check_stop(revision=version, file=name)
             if self._cancelled:
-                raise StoreError("stopped waiting for a download after another tensor failed", revision=version,
-                                 file=name)
+                raise Cancelled("stopped waiting for a download after another tensor failed", revision=version,
+                                file=name)
             raise StoreError("the file was not fetched", revision=version, file=name)
 
 

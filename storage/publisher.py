@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from storage.digests import canonical_json, checksum_bytes, snapshot_digest
 from storage.durable import atomic_write_json, copy_tree_files, file_identity, read_json_file, remove_tree
 from storage.errors import LineageError, ObjectNotFound
 from storage.manifests import DELTA_INDEX_FILE
+from storage.mapped import MappedFiles
 from storage.objects import ObjectStore
 from storage.urls import join_url
 from storage.safetensors import encode_header, write_safetensors
@@ -75,16 +75,17 @@ class Payload:
         return self.decoded_bytes / self.encoded_bytes if self.encoded_bytes else 0.0
 
 
-class _Maps:
+class _Tensors:
+    """Read-only views of a checkpoint's tensors (its shards mapped once)."""
+
     def __init__(self, index: CheckpointIndex):
-        self._arrays = {}
-        for name in {t.file for t in index.tensors.values()}:
-            with open(index.folder / name, "rb") as fh:
-                m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            self._arrays[name] = np.frombuffer(m, dtype=np.uint8)
+        self._files = MappedFiles(index.folder)
 
     def tensor(self, location: TensorLocation) -> np.ndarray:
-        return self._arrays[location.file][location.offset: location.offset + location.nbytes]
+        return self._files.array(location.file)[location.offset: location.offset + location.nbytes]
+
+    def close(self) -> None:
+        self._files.close()
 
 
 def choose_encoding(base: Snapshot, target: CheckpointIndex, requested: str, *, workers: int) -> str:
@@ -95,15 +96,18 @@ def choose_encoding(base: Snapshot, target: CheckpointIndex, requested: str, *, 
     """
     if requested != "auto":
         return requested
-    bmaps, tmaps = _Maps(base.index), _Maps(target)
+    bmaps, tmaps = _Tensors(base.index), _Tensors(target)
 
     def count(name: str) -> tuple[int, int]:
         b, t = bmaps.tensor(base.index.tensors[name]), tmaps.tensor(target.tensors[name])
         changed = int(np.count_nonzero(b != t))
         return changed, (b.size if changed else 0)
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        counts = list(pool.map(count, sorted(target.tensors)))
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            counts = list(pool.map(count, sorted(target.tensors)))
+    finally:
+        bmaps.close(), tmaps.close()
     changed = sum(c for c, _ in counts)
     dense = sum(n for _, n in counts)
     if not changed:
@@ -137,7 +141,7 @@ def stage_delta(
     remove_tree(folder)
     folder.mkdir(parents=True)
     payload = Payload(folder, DELTA_INDEX_FILE, encoding=encoding, checksums=dict(base.checksums))
-    bmaps, tmaps = _Maps(base.index), _Maps(target)
+    bmaps, tmaps = _Tensors(base.index), _Tensors(target)
     weight_map: dict[str, str] = {}
     bucket: list[tuple[str, bytes, str]] = []
     bucket_decoded = 0
@@ -178,6 +182,7 @@ def stage_delta(
                 payload.checksums[name] = checksum
                 payload.decoded_bytes += nbytes
                 payload.encoded_bytes += len(frame)
+    bmaps.close(), tmaps.close()
     flush()
     index = {"metadata": {"version": version, "base_version": base_version, "delta_encoding": encoding,
                           "compression_format": "zstd", "checksum_format": base.checksum_format},

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.durable import remove_tree, tree_size
+from storage.durable import tree_size
 from storage.errors import CapacityError
 from storage.local_store import LocalStore
 
@@ -61,17 +61,8 @@ def ensure_capacity(store: LocalStore, required: int, protect: set[Path], *, wha
     for unit in candidates:
         if usage + required <= store.quota_bytes:
             break
-        _evict(store, unit)
+        store.evict(unit.version, unit.folder)
         usage -= unit.bytes
         evicted.append(f"{unit.kind}/{unit.version} ({unit.bytes:,} bytes)")
         log.info("evicted %s/%s (%d bytes) to make room for %s", unit.kind, unit.version, unit.bytes, what)
     return evicted
-
-
-def _evict(store: LocalStore, unit: Evictable) -> None:
-    if unit.kind in ("full", "materialized"):
-        record = store.verified(unit.version, check_files=False)
-        if record is not None and record.path == store.relative(unit.folder):
-            store.forget_verified(unit.version)
-    remove_tree(unit.folder)
-    (unit.folder.parent / f"{unit.version}.source.json").unlink(missing_ok=True)

@@ -5,8 +5,8 @@ materialized folder or copies an immutable full checkpoint once, and patches
 it in place. ``verify_target`` computes the snapshot digest from the base's
 verified checksums plus the checksums computed while patching, checks it
 against the catalog, and only then records the checkpoint and marks ``READY``.
-``restore_previous`` brings the last verified checkpoint back after a failure
-that happened once bytes had changed.
+``roll_back`` brings the last verified checkpoint back after a failure that
+happened once bytes had changed (the run calls it once nothing else runs).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from storage.cancel import StopToken
 from storage.catalog import Revision, parse_revision
 from storage.checkpoint import CheckpointIndex, require_same_layout
 from storage.digests import snapshot_digest
-from storage.durable import copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
+from storage.durable import boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
 )
@@ -54,6 +55,16 @@ def chain_after(store: LocalStore, base: VerifiedCheckpoint, versions: Sequence[
     return Chain(target, known.full_version, known.deltas + tuple(versions))
 
 
+@dataclass(frozen=True)
+class Rollback:
+    """What a failed ``materialize`` changed, so the run can put things back once nothing else runs."""
+
+    base: VerifiedCheckpoint
+    folder: Path
+    takeover: bool
+    undone: bool  # a takeover's patched bytes were reverted and re-verified in place
+
+
 def materialize(
     store: LocalStore,
     base: VerifiedCheckpoint,
@@ -65,6 +76,7 @@ def materialize(
     source: PlanSource | None = None,
     progress: Callable[[int], Callable[[int], None]] | None = None,
     on_updating: Callable[[], None] | None = None,
+    stop: StopToken | None = None,
 ) -> Materialized:
     """Apply ``deltas`` (oldest first) to ``base``, producing ``materialized/{target}``.
 
@@ -72,11 +84,10 @@ def materialize(
     first delta after a full checkpoint copies it once. ``source`` hands out
     tensor plans (default: every bucket validated up front, before the store
     goes ``UPDATING``; ``ArrivingPlans`` validates buckets as they arrive).
-    If patching fails, a taken-over base is put back in place (the patched
-    bytes undone and re-verified against its checksums) and a copy is simply
-    dropped; the error then has ``restored = True``. Otherwise the caller
-    restores with ``restore_previous``. Either way it carries ``mutation_started``.
-    ``progress(total)`` returns a callback fed with the bytes patched.
+    If anything fails once the store is ``UPDATING``, the error carries
+    ``mutation_started`` and a ``rollback`` (``Rollback``) that ``roll_back``
+    uses — after the caller has stopped everything else — to put the base
+    back. ``progress(total)`` returns a callback fed with the bytes patched.
     """
     base_path = store.absolute(base.path)
     base_index = CheckpointIndex.open(base_path, revision=base.version)
@@ -87,64 +98,73 @@ def materialize(
     target_dir = store.materialized_dir(target.version)
     state = store.state()
     takeover = base.path.startswith("materialized/")
-    store.mark_updating(target.version, target_dir, state.version if state else None)
+    store.begin_update(target.version, target_dir, state.version if state else None)
     if on_updating:
         on_updating()
+    undone = False
     try:
         remove_tree(target_dir)
         copied = 0
         if takeover:
-            store.forget_verified(base.version)
-            killpoint("apply.base_released")
+            store.release_base(base.version)
             os.rename(base_path, target_dir)
             fsync_dir(target_dir.parent)
         else:
-            staging = store.tmp_dir / f"materialize-{target.version}"
-            remove_tree(staging)
-            copied = copy_tree_files(base_path, staging, workers=workers)
-            staging.rename(target_dir)
+            staging = store.staging(f"materialize-{target.version}")
+            try:
+                copied = copy_tree_files(base_path, staging, workers=workers, stop=stop)
+                staging.rename(target_dir)
+            finally:
+                remove_tree(staging)
             fsync_dir(target_dir.parent)
         killpoint("apply.materialized")
         index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
-        patched = apply_patches(index, source, target_checksum_format=target.checksum_format, workers=workers,
-                                progress=progress(source.total_bytes()) if progress else None,
-                                undo_to=base.checksums if takeover else None, undo_format=base.checksum_format)
+        try:
+            patched = apply_patches(index, source, target_checksum_format=target.checksum_format, workers=workers,
+                                    progress=progress(source.total_bytes()) if progress else None,
+                                    undo_to=base.checksums if takeover else None, undo_format=base.checksum_format,
+                                    stop=stop)
+        except BaseException as exc:
+            undone = bool(getattr(exc, "undone", False))
+            raise
     except RefitError as exc:
         exc.mutation_started = True
-        _put_base_back(store, base, target_dir, takeover, exc)
+        exc.rollback = Rollback(base, target_dir, takeover, undone)
         raise
     except OSError as exc:
-        raise StoreError(f"local I/O failed while materializing: {exc}", revision=target.version,
-                         file=str(target_dir), mutation_started=True) from exc
+        error = StoreError(f"local I/O failed while materializing: {exc}", revision=target.version,
+                           file=str(target_dir), mutation_started=True)
+        error.rollback = Rollback(base, target_dir, takeover, False)
+        raise error from exc
+    except BaseException as exc:  # an interrupt in the calling thread: still say how to put things back
+        exc.rollback = Rollback(base, target_dir, takeover, undone)
+        raise
     return Materialized(target.version, target_dir, base, patched, chain, copied,
                         sum(base_index.tensors[n].nbytes for n in patched))
 
 
-def _put_base_back(store: LocalStore, base: VerifiedCheckpoint, target_dir: Path, takeover: bool,
-                   error: RefitError) -> None:
-    """After a failed patch: a copy is dropped; an undone takeover is renamed back and re-recorded."""
-    if takeover and not getattr(error, "undone", False):
-        return  # bytes could not be proven back: restore_previous rebuilds the base instead
-    try:
-        if takeover:
-            base_path = store.absolute(base.path)
-            os.rename(target_dir, base_path)
-            fsync_dir(base_path.parent)
-            restored = replace(base, files=folder_identity(base_path), verified_at_unix_ms=now_ms())
-            store.record_verified(restored)
-            _repoint_active(store, restored)
-        store.recover()  # drops a half-patched copy (the immutable base was never touched); READY again
-    except OSError as exc:
-        log.error("could not put %s back after a failed apply: %s", base.version, exc)
-        return
-    error.restored = True  # bytes did change (mutation_started stays True), and are back
+def roll_back(store: LocalStore, error: BaseException, previous: str | None, *, workers: int,
+              rebuild: bool = True) -> str:
+    """After a failure with bytes changed (nothing else running): bring the last verified checkpoint back.
 
-
-def _repoint_active(store: LocalStore, record: VerifiedCheckpoint) -> None:
-    """If the engine runs ``record``'s bytes, the installed identity must name the files now holding them."""
-    active = store.active()
-    if active is not None and (active.version, active.digest) == (record.version, record.target_digest):
-        store.write_active(replace(active, path=record.path, files=record.files))
+    An undone takeover is renamed back (cheap); otherwise the half-written
+    folder is discarded and, when ``rebuild``, ``previous`` is rebuilt from the
+    cache if it was lost. Returns what happened, in words.
+    """
+    rollback: Rollback | None = getattr(error, "rollback", None)
+    if rollback is not None and rollback.takeover and rollback.undone and rollback.folder.is_dir():
+        try:
+            store.put_back(rollback.base, rollback.folder)
+            store.recover()
+            return f"{rollback.base.version} was put back in place and re-verified"
+        except OSError as exc:
+            log.error("could not put %s back after a failed apply: %s", rollback.base.version, exc)
+    if not rebuild:
+        store.recover()
+        current = store.current()
+        return (f"store is READY at {current.version if current else 'no checkpoint'}; the next run rebuilds "
+                f"{previous} if it was lost")
+    return restore_previous(store, previous, workers=workers)
 
 
 def verify_target(
@@ -159,6 +179,7 @@ def verify_target(
     workers: int,
     mutated: bool,
     progress: Callable[[int], None] | None = None,
+    stop: StopToken | None = None,
 ) -> VerifiedCheckpoint:
     """Check coverage, layout and the snapshot digest; then record the checkpoint and mark ``READY``.
 
@@ -179,7 +200,7 @@ def verify_target(
     checksums.update(patched)
     reread = sorted(index.tensors) if full else sorted(set(index.tensors) - set(checksums))
     if reread:
-        fresh = index.checksums(fmt, names=reread, workers=workers, progress=progress)
+        fresh = index.checksums(fmt, names=reread, workers=workers, progress=progress, stop=stop)
         for name, value in fresh.items():
             if name in patched and patched[name] != value:
                 raise ChecksumMismatch(f"bytes on disk hash to {value}, the apply pass computed {patched[name]}",
@@ -196,15 +217,10 @@ def verify_target(
     record = VerifiedCheckpoint(
         version=target.version, path=store.relative(path), sequence=target.sequence, checksum_format=fmt,
         format_digest=layout_digest, target_digest=digest, checksums=checksums,
-        files=folder_identity(path), verified_at_unix_ms=now_ms(),
+        files=folder_identity(path), verified_at_unix_ms=now_ms(), boot_id=boot_id(),
+        flushed=not mutated,  # patched pages reach the disk in the background (storage/flush.py)
     )
-    try:
-        store.record_verified(record)
-        store.write_chain(chain)
-    except OSError as exc:  # e.g. ENOSPC: typed, so the caller restores the previous checkpoint
-        raise StoreError(f"could not record the verified checkpoint ({exc})", **context) from exc
-    killpoint("verify.recorded")
-    store.mark_ready(record)
+    store.commit_ready(record, chain)
     return record
 
 
@@ -216,6 +232,7 @@ def verify_full_artifact(
     reference: Mapping[str, tuple] | None,
     workers: int,
     progress: Callable[[int], None] | None = None,
+    stop: StopToken | None = None,
 ) -> VerifiedCheckpoint:
     """Verify a downloaded full revision: layout, declared per-shard checksums, target digest.
 
@@ -232,7 +249,7 @@ def verify_full_artifact(
                                  f"{revision.format_digest}", revision=revision.version, file=manifest.uri,
                                  field="format_digest")
     declared = manifest.checksum_format
-    computed = index.checksums(declared or revision.checksum_format, workers=workers, progress=progress)
+    computed = index.checksums(declared or revision.checksum_format, workers=workers, progress=progress, stop=stop)
     if declared:
         for name, location in sorted(index.tensors.items()):
             published = index.headers[location.file].metadata.get(name)
@@ -268,7 +285,7 @@ def restore_previous(store: LocalStore, previous: str | None, *, workers: int) -
         return f"could not rebuild {previous} from the cache ({exc}); the next run rebuilds it from the catalog"
     if record is None:
         return f"{previous} is not rebuildable from the cache; the next run rebuilds it from the catalog"
-    _repoint_active(store, record)
+    store.follow_active(record)
     return f"rebuilt {previous} from its lineage in the cache; store is READY at {previous}"
 
 

@@ -36,6 +36,17 @@ def _valid_url(value: str) -> str:
     return value
 
 
+NODE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def default_node_name() -> str:
+    """This host's node name when none is configured: the host name, made a valid id."""
+    import socket
+
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname() or "node").lstrip("._-") or "node"
+    return name[:128]
+
+
 def _workers_default() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
@@ -55,16 +66,28 @@ class ObjectStoreSettings(BaseSettings):
     endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://127.0.0.1:9000")
     region: str | None = Field(None, description="S3 region name")
     anonymous: bool = Field(False, description="unsigned requests (public buckets)")
-    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    addressing_style: Literal["auto", "path", "virtual"] = Field(
+        "auto", description="S3 addressing: path (http://host/bucket/key, for most self-hosted servers), "
+                            "virtual (http://bucket.host/key) or auto")
     connect_timeout_s: float = Field(5.0, gt=0, description="seconds to open a connection")
     read_timeout_s: float = Field(30.0, gt=0, description="seconds without a byte before a request is abandoned")
     max_pool_connections: int = Field(32, ge=1, le=1024, description="HTTP connections kept per client")
-    concurrency: int = Field(8, ge=1, le=256, description="objects fetched or uploaded at once")
+    concurrency: int = Field(8, ge=1, le=256, description=(
+        "connection budget: data requests (GET bodies, byte ranges, upload parts) in flight at once, "
+        "shared by every download and upload of a store; also how many objects are fetched at once"))
     retry_attempts: int = Field(6, ge=1, le=50, description="attempts per request, first included")
     backoff_initial_s: float = Field(0.2, ge=0, description="wait before the first retry")
     backoff_max_s: float = Field(10.0, ge=0, description="longest wait between attempts")
     block_size: int = Field(64 * MIB, ge=5 * MIB, le=5 * 2**30,
-                            description="bytes per ranged read and per multipart-upload part (S3: 5 MiB to 5 GiB)")
+                            description="bytes per multipart-upload part (S3: 5 MiB to 5 GiB) and per "
+                                        "ranged read of a content comparison")
+    range_size: int = Field(32 * MIB, ge=256 * 2**10, le=5 * 2**30, description=(
+        "bytes per byte range of a download: a larger object is fetched as ranges in parallel on the "
+        "connection budget, and resumes range by range after an interruption. Measured against a proxy "
+        "modelling S3 (100 MB/s per connection, 5 ms per request; `python -m benchmarks.transfer --curve-only`, "
+        "8 connections): a 2000 MB object came at 299/446/483 MB/s with 16/32/64 MiB ranges, a 256 MiB "
+        "bucket at 491/520/340 MB/s (64 MiB ranges leave half the connections idle): 32 MiB is the best "
+        "of both. Tests use smaller ranges"))
 
     @model_validator(mode="after")
     def _backoff_bounds(self) -> "ObjectStoreSettings":
@@ -79,11 +102,16 @@ class InstallerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_INSTALLER_", extra="ignore")
 
-    kind: Literal["none", "sglang", "sglang-disk"] = "none"
-    engine_urls: list[str] = Field(default_factory=list)
+    kind: Literal["none", "sglang", "sglang-disk"] = Field(
+        "none", description="how to install into the engine: none (record only), sglang (the in-engine "
+                            "loader) or sglang-disk (SGLang's update_weights_from_disk)")
+    engine_urls: list[str] = Field(default_factory=list,
+                                   description="engine base URL, e.g. http://127.0.0.1:30000 (one per replica)")
     timeout_s: float = Field(600.0, gt=0, description="per-engine install request timeout")
     api_key: str | None = Field(None, description="bearer token for the engines' admin API", exclude=True)
-    custom_loader: str = "flows.sglang_loader.load_prepared_checkpoint"
+    custom_loader: str = Field(
+        "tasks.installers.sglang_loader.load_prepared_checkpoint",
+        description="import path the engines were launched with as --custom-weight-loader (sglang installer)")
 
     @model_validator(mode="after")
     def _engines_for_engine_installers(self) -> "InstallerSettings":
@@ -99,20 +127,31 @@ class RefitParams(BaseSettings):
 
     catalog: str = Field(..., description="catalog URL: s3://bucket/prefix, file:///path or a local path")
     model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
+    node: str = Field(default_factory=default_node_name, pattern=NODE_PATTERN,
+                      description="this node's name in the fleet view (default: the host name)")
     target: str = Field("latest", description="version to install, or 'latest'")
     initial_version: str | None = Field(None, description="launch revision (default: the sequence-0 record)")
     seed_checkpoint: str | None = Field(None, description="local path of the launch HF snapshot")
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
     cache_max_gb: float = Field(500.0, gt=0, description="byte quota of the store, decimal GB")
-    apply_workers: int = Field(default_factory=_workers_default, ge=1, le=256)
+    apply_workers: int = Field(default_factory=_workers_default, ge=1, le=256,
+                               description="threads applying tensors (default: the cores, at most 8)")
     verify: Literal["incremental", "full"] = Field(
         "incremental", description="'full' rereads every tensor instead of reusing verified checksums"
     )
     lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
-    activate: bool = Field(True, description="False: install but leave activation to `flows.refit activate`")
+    activate: bool = Field(
+        True, description="record the installed version as active once installed (else activate it later with "
+                          "`python -m flows.refit activate`)")
     only_if_newer: bool = Field(
         False, description="do nothing when the target is not newer than the installed revision"
     )
+    retries: int = Field(
+        3, ge=0, le=20,
+        description="whole-run retries after a transient failure (a storage outage); never after poison, "
+                    "an interrupt or bad input")
+    retry_delay_s: float = Field(
+        10.0, ge=0, le=3600, description="wait before the first whole-run retry, doubled for each next one")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
     installer: InstallerSettings = Field(default_factory=InstallerSettings)
 
@@ -145,29 +184,45 @@ class PublishParams(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_PUBLISH_", extra="ignore")
 
-    catalog: str = Field(..., description="catalog URL the record is written to")
-    model: str = Field(..., pattern=MODEL_PATTERN)
-    checkpoint: Path = Field(..., description="local safetensors checkpoint to publish")
-    kind: Literal["initial", "full", "delta"] = Field("delta")
-    version: str | None = Field(None, pattern=VERSION_PATTERN, description="default: r{sequence}")
-    payload_url: str | None = Field(None, description="where payloads go (default: {catalog}/../revisions)")
-    base_version: str | None = Field(None, pattern=VERSION_PATTERN, description="default: latest")
+    catalog: str = Field(..., description="catalog URL the record is written to: s3://bucket/prefix, "
+                                          "file:///path or a local path")
+    model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
+    checkpoint: Path = Field(..., description="local folder of the safetensors checkpoint to publish")
+    kind: Literal["initial", "full", "delta"] = Field(
+        "delta", description="initial: revision 0 describing the launch snapshot (an empty catalog only); "
+                             "full: a full checkpoint; delta: an XOR delta against the exact base")
+    version: str | None = Field(None, pattern=VERSION_PATTERN,
+                                description="version id of the new revision (default: r{sequence})")
+    payload_url: str | None = Field(None, description="where payload objects go (default: "
+                                                      "{catalog}/../revisions/{version})")
+    base_version: str | None = Field(None, pattern=VERSION_PATTERN,
+                                     description="revision the delta applies to (default: the latest)")
     base_checkpoint: Path | None = Field(
         None, description="local copy of the base revision (default: the publisher's own last copy)"
     )
     state_dir: Path = Field(
-        DEFAULT_CACHE_DIR / "publisher", description="where the publisher keeps its last published copy"
+        DEFAULT_CACHE_DIR / "publisher", description="where the publisher keeps its copy of the last published "
+                                                     "checkpoint"
     )
-    keep_copy: bool = Field(True, description="keep a copy of what was published as the next base")
-    encoding: Literal["xor", "xor_sparse", "overwrite", "auto"] = "xor"
-    checksum_format: Literal["adler32", "xxh3-128", "blake3"] = "adler32"
-    bucket_max_mib: int = Field(256, ge=1, description="decoded bytes per delta bucket")
-    zstd_level: int = Field(3, ge=-7, le=22)
-    workers: int = Field(default_factory=_workers_default, ge=1, le=256)
+    keep_copy: bool = Field(True, description="keep a copy of what was published as the next delta's base")
+    encoding: Literal["xor", "xor_sparse", "overwrite", "auto"] = Field(
+        "xor", description="delta encoding; auto picks whichever is smallest for this revision")
+    checksum_format: Literal["adler32", "xxh3-128", "blake3"] = Field(
+        "adler32", description="per-tensor checksum of initial and full revisions (a delta uses its base's)")
+    bucket_max_mib: int = Field(256, ge=1, description="decoded MiB per delta bucket")
+    zstd_level: int = Field(3, ge=-7, le=22, description="zstd compression level")
+    workers: int = Field(default_factory=_workers_default, ge=1, le=256,
+                         description="threads encoding tensors (default: the cores, at most 8)")
     allow_unconditional_writes: bool = Field(
-        False, description="publish even if the server does not enforce If-None-Match"
+        False, description="publish even if the object store does not enforce create-only writes "
+                           "(If-None-Match)"
     )
-    emit_event: bool = Field(True, description="emit canonical-refit.revision.published")
+    emit_event: bool = Field(True, description="emit canonical-refit.revision.published once the record is "
+                                               "written")
+    retries: int = Field(3, ge=0, le=20,
+                         description="retries of the upload and record write after a transient failure")
+    retry_delay_s: float = Field(10.0, ge=0, le=3600,
+                                 description="wait before the first publication retry, doubled for each next one")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
 
     @field_validator("catalog", "payload_url")

@@ -1,4 +1,4 @@
-"""URL forms of object storage (SPEC section 6): validation, normalisation, joining.
+"""URL forms of object storage (docs/format.md, section 2): validation, normalisation, joining.
 
 Kept apart from ``storage.objects`` so that settings can validate URLs without
 importing a filesystem client.
@@ -17,7 +17,7 @@ _S3_SEGMENT = re.compile(r"^[^/?#]+$")
 def normalize_url(url: str) -> str:
     """Return ``url`` with plain local paths turned into absolute ``file://`` URLs.
 
-    S3 URIs are validated strictly (SPEC section 6).
+    S3 URIs are validated strictly (docs/format.md, section 2).
     """
     if not isinstance(url, str) or not url:
         raise InvalidURI("empty object URL", file=repr(url))

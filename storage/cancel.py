@@ -1,0 +1,158 @@
+"""Cooperative stopping: Ctrl-C, SIGTERM and Prefect cancellation become a flag every loop checks.
+
+A signal handler only sets a flag (``PROCESS.stop``); the code doing the work
+sees it at its next check point (between blocks, chunks, ranges, tensors and
+stages) and raises ``Interrupted``. Stopping therefore never lands in the
+middle of a durable write or a rename, worker threads are told and joined,
+and the run ends through its normal failure path: fetch cancelled and
+joined, a half-written checkpoint undone or discarded, the lock released.
+
+Tokens form a tree: a run's token stops when the process does; a run may
+stop its own background fetch (another stage failed) without stopping itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
+
+from storage.errors import Cancelled, Interrupted
+
+log = logging.getLogger("canonical_refit.cancel")
+
+
+class StopToken:
+    """A flag that stops work cooperatively; ``check`` raises once it (or a parent) is set."""
+
+    def __init__(self, parent: "StopToken | None" = None, *, interrupt: bool = False):
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+        self.parent = parent
+        self.reason: str | None = None
+        self._interrupt = interrupt  # stopping from outside the run (signals), as opposed to the run cancelling work
+        if parent is not None:
+            parent.add_listener(self._notify)
+
+    def child(self) -> "StopToken":
+        """A token that stops with this one, and can also be stopped on its own."""
+        return StopToken(self)
+
+    def stop(self, reason: str) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self.reason = reason
+            self._event.set()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def reset(self) -> None:
+        """Clear a process-wide stop once the interrupted run has ended (a long-lived agent runs on)."""
+        with self._lock:
+            self._event.clear()
+            self.reason = None
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (from the stopping thread) when this token or a parent stops."""
+        with self._lock:
+            self._listeners.append(listener)
+            stopped = self._event.is_set()
+        if stopped:
+            listener()
+
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    def close(self) -> None:
+        """Detach from the parent (a finished run's token must not accumulate on the process token)."""
+        if self.parent is not None:
+            self.parent.remove_listener(self._notify)
+
+    def _notify(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    @property
+    def stopped(self) -> bool:
+        return self._event.is_set() or (self.parent is not None and self.parent.stopped)
+
+    @property
+    def interrupted(self) -> bool:
+        """True if the stop came from outside the run (a signal or a cancellation)."""
+        if self._event.is_set() and self._interrupt:
+            return True
+        return self.parent is not None and self.parent.interrupted
+
+    def why(self) -> str:
+        node: StopToken | None = self
+        while node is not None:
+            if node._event.is_set():
+                return node.reason or "stopped"
+            node = node.parent
+        return "stopped"
+
+    def check(self, **context) -> None:
+        """Raise ``Interrupted`` (from outside) or ``Cancelled`` (by the run) if this token is stopped."""
+        if not self.stopped:
+            return
+        if self.interrupted:
+            raise Interrupted(f"interrupted ({self.why()})", **context)
+        raise Cancelled(f"stopped: {self.why()}", **context)
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, waking early when stopped; returns ``stopped``."""
+        if self.stopped:
+            return True
+        woken = threading.Event()
+        self.add_listener(woken.set)
+        try:
+            woken.wait(timeout)
+        finally:
+            self.remove_listener(woken.set)
+        return self.stopped
+
+
+PROCESS = StopToken(interrupt=True)  # set by the signal handlers below
+# the token a run started in this context stops with: the process's, or one an agent gives each run it executes
+current_stop: ContextVar[StopToken] = ContextVar("canonical_refit_stop", default=PROCESS)
+
+
+@contextmanager
+def signals_stop_the_run(token: StopToken = PROCESS) -> Iterator[StopToken]:
+    """While inside, SIGINT and SIGTERM stop ``token`` instead of raising; a second signal raises.
+
+    Only the main thread can install handlers; elsewhere (a thread of a
+    long-lived agent) this is a no-op and cancellation arrives by other means.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield token
+        return
+    received: list[int] = []
+
+    def handler(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        received.append(signum)
+        if len(received) == 1:
+            log.warning("%s received: stopping at the next safe point (again to stop at once)", name)
+            token.stop(name)
+            return
+        raise KeyboardInterrupt(f"second {name}: stopping at once; the next run recovers the store")
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield token
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
