@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from storage.errors import InstallError
-from storage.killpoints import killpoint
-from storage.local_store import ActiveIdentity, LocalStore, now_ms
+from storage.local_store import ActiveIdentity
 from tasks.install import InstallReceipt
 from tasks.receiver import Receiver
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 def activate(rx: Receiver, receipt: InstallReceipt) -> ActiveIdentity:
@@ -21,22 +19,8 @@ def activate(rx: Receiver, receipt: InstallReceipt) -> ActiveIdentity:
         active = rx.store.active()
         if active is not None and (active.path, active.files) == (record.path, record.files):
             return active
-    return record_active(rx.store, record.version, receipt.installer)
+    return rx.store.activate(record.version, receipt.installer)
 
 
-def record_active(store: LocalStore, version: str, installer: str) -> ActiveIdentity:
-    """Write ``active.json`` for the verified checkpoint ``version`` that the engine has loaded."""
-    record = store.verified(version)
-    if record is None:
-        raise InstallError("cannot activate: the checkpoint is no longer verified and intact", revision=version)
-    identity = ActiveIdentity(
-        version=record.version, digest=record.target_digest, format_digest=record.format_digest,
-        files=record.files, path=record.path, installer=installer, installed_at_unix_ms=now_ms(),
-    )
-    store.write_active(identity)
-    killpoint("activate.written")
-    store.clear_poisoned()
-    return identity
-
-
-activate_task = stage_task("activate", activate, read_only=False)
+# once the engine runs the new weights, recording it must not be skipped by an interrupt
+ACTIVATE = Stage("activate", activate, read_only=False, interruptible=False)

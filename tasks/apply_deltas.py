@@ -8,16 +8,15 @@ from typing import Mapping
 
 from storage.artifacts import DELTA, FULL
 from storage.checkpoint import CheckpointIndex
-from storage.errors import RefitError
 from storage.local_store import Chain, VerifiedCheckpoint
 from storage.manifests import require_known_tensors
 from storage.pipeline import Arrivals, ArrivingPlans
-from storage.reconstruct import materialize, restore_previous, verify_full_artifact
+from storage.reconstruct import materialize, verify_full_artifact
 from tasks.fetch_index import Indexes
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
 from tasks.seed_checkpoint import Baseline
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -47,11 +46,10 @@ def apply_deltas(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: In
     """Reconstruct the target while its buckets arrive: verify a full root, then patch the deltas in.
 
     Nothing changes before the fetch stage has made room (``arrivals``). Each
-    tensor is patched as soon as the buckets it needs are in and validated. If
-    anything fails once the store is ``UPDATING``, the base is put back (the
-    patched bytes undone and re-verified, or the copy dropped), or failing
-    that rebuilt from the cache, before the error propagates: the store is
-    never left holding unverified bytes.
+    tensor is patched as soon as the buckets it needs are in and validated. A
+    failure once the store is ``UPDATING`` carries ``mutation_started`` and
+    what is needed to put the base back; the run does that once the fetch
+    beside it has stopped (``flows/refit.py``).
     """
     state = rx.store.state()
     previous = state.version if state else None
@@ -62,7 +60,7 @@ def apply_deltas(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: In
         for name in indexes.full.files:
             arrivals.wait(indexes.full.version, name)
         base = verify_full_artifact(rx.store, indexes.full, folders[indexes.full.version],
-                                    reference=_reference_layout(rx), workers=rx.params.apply_workers)
+                                    reference=_reference_layout(rx), workers=rx.params.apply_workers, stop=rx.stop)
         rx.ledger.note(f"verified full revision {base.version}")
     if not indexes.deltas:
         return Prepared(base.version, rx.store.absolute(base.path), base, {}, Chain(base.version, base.version),
@@ -70,20 +68,13 @@ def apply_deltas(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: In
     layout = CheckpointIndex.open(rx.store.absolute(base.path), revision=base.version).tensors
     for manifest in indexes.deltas:  # already checked against a local base; a full root is known only now
         require_known_tensors(manifest, layout)
-    try:
-        done = materialize(
-            rx.store, base, plan.target, indexes.deltas, folders, workers=rx.params.apply_workers,
-            source=ArrivingPlans(indexes.deltas, folders, layout, arrivals),
-            progress=lambda total: rx.progress("apply", total), on_updating=lambda: rx.ledger.note(
-                f"store UPDATING: materializing {plan.target.version} from {base.version}"),
-        )
-    except RefitError as exc:
-        if getattr(exc, "restored", False):
-            rx.ledger.note(f"apply failed; {base.version} was put back in place and re-verified")
-        elif exc.mutation_started:
-            outcome = restore_previous(rx.store, previous, workers=rx.params.apply_workers)
-            rx.ledger.note(f"apply failed after mutation; {outcome}")
-        raise
+    done = materialize(
+        rx.store, base, plan.target, indexes.deltas, folders, workers=rx.params.apply_workers,
+        source=ArrivingPlans(indexes.deltas, folders, layout, arrivals),
+        progress=lambda total: rx.progress("apply", total), on_updating=lambda: rx.ledger.note(
+            f"store UPDATING: materializing {plan.target.version} from {base.version}"),
+        stop=rx.stop,
+    )
     return Prepared(done.version, done.path, base, done.patched, done.chain, mutated=True, previous=previous,
                     bytes=done.patched_bytes, copied_bytes=done.copied_bytes)
 
@@ -95,4 +86,4 @@ def _reference_layout(rx: Receiver):
     return None
 
 
-apply_deltas_task = stage_task("apply deltas", apply_deltas, read_only=False)
+APPLY_DELTAS = Stage("apply deltas", apply_deltas, read_only=False)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from storage.artifacts import DELTA, FULL
 from storage.durable import tree_size
-from storage.errors import ManifestError, RefitError, StoreError
+from storage.errors import Cancelled, FormatError, ManifestError, RefitError
 from storage.killpoints import killpoint
 from storage.manifests import Manifest
 from storage.pipeline import Arrivals
@@ -18,7 +19,7 @@ from tasks.receiver import Receiver
 from tasks.fetch_index import Indexes
 from tasks.resolve_catalog import ReplayPlan
 from tasks.seed_checkpoint import Baseline
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,10 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: I
     Each file is announced on ``arrivals`` as soon as it is in the cache, so
     the apply stage can patch it while later files are still downloading.
     Every file that can be fetched is, so a retry after one bad object reuses
-    all the others.
+    all the others. ``arrivals.cancel()`` (or the run's stop) stops it within
+    one chunk of each download in flight; what completed stays cached.
     """
-    arrivals = arrivals or Arrivals()
+    arrivals = arrivals or Arrivals(rx.stop.child())
     objects = rx.objects  # worker threads count into this stage
     try:
         return _fetch(rx, objects, plan, baseline, indexes, arrivals)
@@ -71,6 +73,7 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: I
         raise
     finally:
         arrivals.close()
+        killpoint("fetch.stopped")
 
 
 def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes: Indexes,
@@ -92,57 +95,84 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
             else:
                 jobs.append(_Job(manifest, kind, name, folder))
     workers = rx.params.storage.concurrency
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-        sized = list(pool.map(lambda job: _attempt(job, objects.size, job.url), jobs))
-    errors = [e for _, e in sized if e is not None]
-    known = [(job, size) for job, (size, e) in zip(jobs, sized) if e is None]
-    for job, size in known:
-        version_bytes[job.manifest.version] = version_bytes.get(job.manifest.version, 0) + size
-    evicted = ensure_capacity(
-        rx.store, sum(s for _, s in known) + _materialize_bytes(rx, baseline, indexes, version_bytes),
-        _working_set(rx, baseline, folders), what=f"refit to {plan.target.version}",
-    )
-    for manifest in indexes.manifests:  # only now, with room made, does the cache change
-        rx.artifacts.open(DELTA if manifest.is_delta else FULL, manifest.version, manifest.uri, manifest.raw)
-    arrivals.admit()
-    for version, name in reused_files:
-        arrivals.arrived(version, name)
-    progress = rx.progress("fetch", sum(s for _, s in known))
+    stop = arrivals.stop or rx.stop
+    cancel = threading.Event()  # downloads in flight watch this
+    stop.add_listener(cancel.set)
+    try:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
+            sized = list(pool.map(lambda job: _attempt(job, objects.size, job.url), jobs))
+        stop.check()
+        errors = [e for _, e in sized if e is not None]
+        known = [(job, size) for job, (size, e) in zip(jobs, sized) if e is None]
+        for job, size in known:
+            version_bytes[job.manifest.version] = version_bytes.get(job.manifest.version, 0) + size
+        evicted = ensure_capacity(
+            rx.store, sum(s for _, s in known) + _materialize_bytes(rx, baseline, indexes, version_bytes),
+            _working_set(rx, baseline, folders), what=f"refit to {plan.target.version}",
+        )
+        for manifest in indexes.manifests:  # only now, with room made, does the cache change
+            rx.artifacts.open(DELTA if manifest.is_delta else FULL, manifest.version, manifest.uri, manifest.raw)
+        arrivals.admit()
+        for version, name in reused_files:
+            arrivals.arrived(version, name)
+        progress = rx.progress("fetch", sum(s for _, s in known))
 
-    def fetch(job: _Job, size: int) -> int:
-        path = job.folder / job.name
-        got = objects.download(job.url, path, expected_size=size)
-        progress(got)
-        try:
-            _check_file(job, path)
-        except RefitError:
-            path.unlink(missing_ok=True)
-            raise
-        rx.artifacts.record(job.kind, job.manifest.version, job.name)
-        killpoint("fetch.file")
-        arrivals.arrived(job.manifest.version, job.name)
-        return got
+        def fetch(job: _Job, size: int) -> int:
+            path = job.folder / job.name
+            got = objects.download(job.url, path, expected_size=size, cancel=cancel, progress=progress)
+            try:
+                _check_file(job, path)
+            except RefitError:
+                rx.artifacts.discard(job.kind, job.manifest.version, job.name)
+                raise
+            rx.artifacts.record(job.kind, job.manifest.version, job.name)
+            killpoint("fetch.file")
+            arrivals.arrived(job.manifest.version, job.name)
+            return got
 
-    def one(job_size: tuple[_Job, int]):
-        job, size = job_size
-        if arrivals.cancelled:  # the apply stage already failed: do not start more downloads
-            return None, StoreError("download not started: the refit had already failed",
-                                    revision=job.manifest.version, file=job.url)
-        got, error = _attempt(job, fetch, job, size)
-        if error is not None:
-            arrivals.failed(job.manifest.version, job.name, error)
-        return got, error
+        def one(job_size: tuple[_Job, int]):
+            job, size = job_size
+            if stop.stopped:  # the apply stage already failed, or the run was stopped: start nothing new
+                try:
+                    stop.check(revision=job.manifest.version, file=job.url)
+                except RefitError as exc:
+                    return None, exc
+            got, error = _attempt(job, fetch, job, size)
+            if error is not None:
+                arrivals.failed(job.manifest.version, job.name, error)
+            return got, error
 
-    for job, (_, error) in zip(jobs, sized):
-        if error is not None:
-            arrivals.failed(job.manifest.version, job.name, error)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-        fetched = list(pool.map(one, known))
+        for job, (_, error) in zip(jobs, sized):
+            if error is not None:
+                arrivals.failed(job.manifest.version, job.name, error)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
+            fetched = list(pool.map(one, known))
+    finally:
+        stop.remove_listener(cancel.set)
     errors += [e for _, e in fetched if e is not None]
     if errors:
-        raise errors[0]
+        raise next((e for e in errors if not isinstance(e, Cancelled)), errors[0])
     downloaded = sum(n or 0 for n, _ in fetched)
     return Artifacts(folders, len(jobs), len(reused_files), reused, downloaded, tuple(evicted))
+
+
+def discard_rejected_artifact(rx: Receiver, indexes: Indexes, error: BaseException) -> None:
+    """If ``error`` rejects a cached bucket or shard, drop the local copy so the next run fetches it again.
+
+    The error then names both the remote object and the discarded local file.
+    """
+    if not isinstance(error, FormatError) or not error.file:
+        return
+    for manifest in indexes.manifests:
+        for name in manifest.files:
+            if manifest.file_url(name) == error.file:
+                kind = DELTA if manifest.is_delta else FULL
+                path = rx.artifacts.discard(kind, manifest.version, name)
+                error.discarded = True
+                error.reason += "; the local copy was discarded, so the next run downloads it again"
+                error.with_context(local_file=str(path))
+                rx.ledger.note(f"discarded {path}: {error.reason}")
+                return
 
 
 def _attempt(job: _Job, fn, *args):
@@ -189,4 +219,5 @@ def _working_set(rx: Receiver, baseline: Baseline, folders: dict[str, Path]) -> 
     return protect
 
 
-fetch_buckets_task = stage_task("fetch buckets", fetch_buckets, read_only=True)
+# it writes the store (evicts, caches artifacts): no stage retries; each request retries underneath
+FETCH_BUCKETS = Stage("fetch buckets", fetch_buckets, read_only=False)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from storage.checkpoint import CheckpointIndex
-from storage.errors import RefitError
-from storage.manifests import MAX_INDEX_BYTES, Manifest, parse_manifest, require_known_tensors
+from storage.checkpoint import CheckpointIndex, require_same_layout
+from storage.errors import ManifestError, RefitError
+from storage.manifests import MAX_INDEX_BYTES, Manifest, parse_manifest, require_known_tensors, require_same_tensors
+from storage.safetensors import header_length, parse_header
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
 from tasks.seed_checkpoint import Baseline
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,7 @@ def fetch_index(rx: Receiver, plan: ReplayPlan, baseline: Baseline) -> Indexes:
     chain fails the run with the store untouched.
     """
     revisions = plan.lineage if baseline.checkpoint is None else plan.deltas
-    layout = None
-    if baseline.checkpoint is not None:
-        layout = CheckpointIndex.open(rx.store.absolute(baseline.checkpoint.path)).layout()
+    layout = _local_layout(rx, baseline)
     manifests, total = [], 0
     for revision in revisions:
         try:
@@ -53,10 +53,46 @@ def fetch_index(rx: Receiver, plan: ReplayPlan, baseline: Baseline) -> Indexes:
             raise exc.with_context(revision=revision.version)
         total += len(raw)
         manifest = parse_manifest(raw, revision)
-        if manifest.is_delta and layout is not None:
-            require_known_tensors(manifest, layout)
+        if layout is not None:
+            if manifest.is_delta:
+                require_known_tensors(manifest, layout)
+            else:  # a full revision must hold exactly the local tensors: refused before any shard is fetched
+                require_same_tensors(manifest, layout)
+                total += _check_shard_headers(rx, manifest, layout)
         manifests.append(manifest)
     return Indexes(tuple(manifests), bytes=total)
 
 
-fetch_index_task = stage_task("fetch index", fetch_index, read_only=True)
+def _check_shard_headers(rx: Receiver, manifest: Manifest, layout) -> int:
+    """Read each shard's header with ranged reads and check dtype, shape and size against ``layout``."""
+    objects = rx.objects
+
+    def check(name: str) -> int:
+        url = manifest.file_url(name)
+        size = objects.size(url)
+        prefix = objects.read_range(url, 0, min(8, size)) if size else b""
+        n = header_length(prefix, size, file=url, revision=manifest.version)
+        header = parse_header(objects.read_range(url, 8, 8 + n), n, size, file=url, revision=manifest.version)
+        for tensor in manifest.tensors_of(name):
+            info = header.tensors.get(tensor)
+            if info is None:
+                raise ManifestError("tensor named by the index is missing from its shard", revision=manifest.version,
+                                    file=url, tensor=tensor)
+            require_same_layout({tensor: layout[tensor]}, {tensor: (info.dtype, tuple(info.shape), info.nbytes)},
+                                revision=manifest.version, file=url)
+        return 8 + n
+
+    with ThreadPoolExecutor(max_workers=rx.params.storage.concurrency, thread_name_prefix="index") as pool:
+        return sum(pool.map(check, manifest.files))
+
+
+def _local_layout(rx: Receiver, baseline: Baseline):
+    """The layout deltas and full revisions must match: the baseline's, or any verified checkpoint's."""
+    if baseline.checkpoint is not None:
+        return CheckpointIndex.open(rx.store.absolute(baseline.checkpoint.path)).layout()
+    for record in rx.store.inventory().values():
+        return CheckpointIndex.open(rx.store.absolute(record.path)).layout()
+    return None
+
+
+FETCH_INDEX = Stage("fetch index", fetch_index, read_only=True)

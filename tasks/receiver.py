@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from storage.artifacts import ArtifactCache
+from storage.cancel import PROCESS, StopToken
 from storage.catalog import Catalog
+from storage.durable import remove_tree
 from storage.errors import RefitError
+from storage.killpoints import killpoint
 from storage.local_store import LocalStore
 from storage.objects import ObjectStore, TransferStats
 from storage.settings import RefitParams
@@ -69,7 +72,7 @@ class Ledger:
 
     @property
     def stages(self) -> dict[str, StageRecord]:
-        """The records in SPEC order (fetch and apply start together, so arrival order varies)."""
+        """The records in the order of docs/format.md, section 8 (fetch and apply start together, so arrival order varies)."""
         rank = {name: i for i, name in enumerate(STAGE_ORDER)}
         return dict(sorted(self.records.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
@@ -99,12 +102,13 @@ class Progress:
 
 
 class Receiver:
-    """The stores and settings one refit run works with (no Prefect here)."""
+    """The stores, settings and stop token one refit run works with (no Prefect here)."""
 
     def __init__(self, params: RefitParams, *, installer=None,
-                 progress: Callable[[str, int, int], None] | None = None):
+                 progress: Callable[[str, int, int], None] | None = None, stop: StopToken | None = None):
         self.params = params
-        self.store = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes)
+        self.stop = (stop or PROCESS).child()  # stops when the process is interrupted, or on its own
+        self.store = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes, create=False)
         self.artifacts = ArtifactCache(self.store)
         self._objects = ObjectStore(params.storage)
         self._stage_view = threading.local()  # fetch and apply run at once: each stage counts its own requests
@@ -113,7 +117,8 @@ class Receiver:
         self.report_progress = progress
         self.installer = installer
         self.lock = None
-        self._arrivals = None
+        self.recovery: tuple[str, ...] = ()  # what the recovery at the start of preparation did
+        self.attempt = 1  # of the whole run, when it is retried after a transient failure
 
     @property
     def objects(self) -> ObjectStore:
@@ -156,33 +161,26 @@ class Receiver:
     def preparation(self) -> Iterator:
         """Hold the store lock exclusively for stages 1-6 (``downgrade`` it for the installation fence).
 
-        On the way out, a fetch still running after a failed apply is stopped and
-        waited for before the lock goes: nothing lands in the cache unlocked.
+        The store's folders are created under the lock, on first use.
         """
-        lock = self.lock = self.store.exclusive(self.params.lock_timeout_s).acquire()
+        existed = self.store.exists
+        self.store.root.parent.mkdir(parents=True, exist_ok=True)
+        lock = self.lock = self.store.exclusive(self.params.lock_timeout_s, stop=self.stop).acquire()
         try:
+            killpoint("lock.exclusive", self.params.target)
+            self.store.create()
+            # first of all, bring the store back to a trustworthy state (what the lineage may start from)
+            self.recovery = tuple(self.store.recover()) if existed else ()
             yield lock
         finally:
-            self._stop_fetching()
-            lock.release()  # idempotent: finish() may have released it already
+            if not existed and lock.exclusive and self.store.pristine():
+                remove_tree(self.store.root)  # a first run that stored nothing (a wrong --model) leaves nothing
+            lock.release()  # idempotent
             self.lock = None
 
-    def arrivals(self):
-        """The hand-off between fetch buckets and apply deltas, which run at the same time."""
-        from storage.pipeline import Arrivals
-
-        self._arrivals = Arrivals()
-        return self._arrivals
-
-    def _stop_fetching(self) -> None:
-        if self._arrivals is not None:
-            self._arrivals.cancel()
-            self._arrivals.wait_closed()  # downloads in flight finish or fail; no new one starts
-            self._arrivals = None
-
-    def release(self) -> None:
-        """Release whatever the run still holds (idempotent)."""
-        self._stop_fetching()
+    def close(self) -> None:
+        """Release what the run still holds (idempotent)."""
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+        self.stop.close()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from storage.catalog import Revision
 from storage.errors import LineageError
 from tasks.receiver import Receiver
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -19,11 +19,11 @@ class ReplayPlan:
     (seeded from the launch snapshot). Every later entry is an exact-base delta.
     """
 
-    target: Revision
-    initial: Revision
+    target: Revision | None
+    initial: Revision | None
     lineage: tuple[Revision, ...]
     root_is_local: bool
-    superseded_by: str | None = None
+    skip: str | None = None  # why there is nothing to do (the target is not newer, nothing is published)
     bytes: int = 0
 
     @property
@@ -36,8 +36,8 @@ class ReplayPlan:
 
     @property
     def summary(self) -> str:
-        if self.superseded_by:
-            return f"target {self.target.version} is not newer than installed {self.superseded_by}: nothing to do"
+        if self.skip:
+            return self.skip
         where = "local checkpoint" if self.root_is_local else self.root.payload_format
         return (f"target {self.target.version}: start from {self.root.version} ({where}), "
                 f"replay {len(self.deltas)} delta(s)")
@@ -50,6 +50,10 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
     another digest or layout, or a local checkpoint that is not the catalog's.
     """
     params = rx.params
+    if params.target == "latest" and params.only_if_newer and not rx.catalog.list():
+        reason = f"the catalog {rx.catalog.url} has no revisions of {params.model} yet; nothing to do"
+        rx.ledger.note(reason)
+        return ReplayPlan(None, None, (), False, skip=reason)
     initial = rx.catalog.initial(params.initial_version)
     target = rx.catalog.resolve(params.target)
     if target.format_digest != initial.format_digest:
@@ -62,9 +66,10 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
     if params.only_if_newer and active is not None:
         installed = rx.catalog.read(active.version)
         if installed.sequence >= target.sequence:
-            rx.ledger.note(f"{target.version} (sequence {target.sequence}) is not newer than the installed "
-                           f"{installed.version} (sequence {installed.sequence}); nothing to do")
-            return ReplayPlan(target, initial, (target,), True, superseded_by=installed.version)
+            reason = (f"{target.version} (sequence {target.sequence}) is not newer than the installed "
+                      f"{installed.version} (sequence {installed.sequence}); nothing to do")
+            rx.ledger.note(reason)
+            return ReplayPlan(target, initial, (target,), True, skip=reason)
     local = {version: record.target_digest for version, record in rx.store.inventory().items()}
     lineage = rx.catalog.lineage(target, local)
     root = lineage[0]
@@ -74,7 +79,9 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
             revision=target.version, file=rx.catalog.record_url(root.version), field="base_version",
         )
     rx.ledger.lineage = [r.version for r in lineage]
+    for version, error in sorted(rx.catalog.quarantined.items()):
+        rx.ledger.note(f"catalog record {version} is malformed and was skipped (it is not on this lineage): {error}")
     return ReplayPlan(target, initial, tuple(lineage), root.version in local)
 
 
-resolve_catalog_task = stage_task("resolve catalog", resolve_catalog, read_only=True)
+RESOLVE_CATALOG = Stage("resolve catalog", resolve_catalog, read_only=True)

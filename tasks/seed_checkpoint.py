@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage.catalog import Revision
 from storage.checkpoint import CheckpointIndex
-from storage.durable import copy_tree_files, folder_identity, fsync_dir, remove_tree, tree_size
+from storage.durable import boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree
 from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
 from storage.killpoints import killpoint
-from storage.local_store import VerifiedCheckpoint, now_ms
+from storage.local_store import Chain, VerifiedCheckpoint, now_ms
 from storage.quota import ensure_capacity
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -41,11 +40,12 @@ class Baseline:
 def seed_checkpoint(rx: Receiver, plan: ReplayPlan) -> Baseline:
     """Make sure the store holds a verified checkpoint to start from (call under the exclusive lock).
 
-    Recovers an interrupted update or tampered files first; seeds the launch
+    Reports what the recovery at the start of the preparation did (an
+    interrupted update discarded, tampered files forgotten); seeds the launch
     snapshot into ``full/{v}`` on first use, verified against revision 0's
     format and target digest before the store trusts it.
     """
-    recovery = tuple(rx.store.recover())
+    recovery = rx.recovery  # done when the preparation lock was taken
     for action in recovery:
         rx.ledger.note(f"recovery: {action}")
     root = plan.root
@@ -71,6 +71,10 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
             revision=initial.version,
         )
     seed_path = Path(seed).expanduser().resolve()
+    if not seed_path.is_dir():
+        raise StoreError(f"--seed-checkpoint {seed_path} is not a folder; pass the launch snapshot of "
+                         f"{initial.version} (a folder of *.safetensors files)", revision=initial.version,
+                         local_file=str(seed_path))
     source = CheckpointIndex.open(seed_path, revision=initial.version)
     if source.format_digest() != initial.format_digest:
         raise CheckpointMismatch(
@@ -79,29 +83,37 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
             revision=initial.version, file=str(seed_path),
         )
     folder = rx.store.full_dir(initial.version)
-    protect = {rx.store.tmp_dir}
-    ensure_capacity(rx.store, tree_size(seed_path), protect, what=f"seeding {initial.version}")
+    size = copied_size(seed_path)  # what the copy writes: link targets (a hub snapshot's blobs), not links
+    ensure_capacity(rx.store, size, {rx.store.tmp_dir}, what=f"seeding {initial.version}")
     state = rx.store.state()
-    rx.store.mark_updating(initial.version, folder, state.version if state else None)
+    rx.store.begin_update(initial.version, folder, state.version if state else None)
     remove_tree(folder)
-    staging = rx.store.tmp_dir / f"seed-{initial.version}"
-    remove_tree(staging)
-    progress = rx.progress(f"seed {initial.version}", tree_size(seed_path))
+    staging = rx.store.staging(f"seed-{initial.version}")
+    progress = rx.progress(f"seed {initial.version}", size)
     try:
-        copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress)
+        copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress,
+                                 stop=rx.stop)
         staging.rename(folder)
         fsync_dir(folder.parent)
     except OSError as exc:  # e.g. ENOSPC: drop the partial copy, point the state back at what is verified
+        remove_tree(staging)
         rx.store.recover()
         raise StoreError(f"could not copy the launch snapshot into the store ({exc})", revision=initial.version,
                          file=str(folder)) from exc
+    except BaseException:
+        remove_tree(staging)
+        rx.store.recover()
+        raise
     killpoint("seed.copied")
     index = CheckpointIndex.open(folder, revision=initial.version)
-    checksums = index.checksums(initial.checksum_format, workers=rx.params.apply_workers,
-                                progress=rx.progress(f"verify {initial.version}", index.nbytes))
+    try:
+        checksums = index.checksums(initial.checksum_format, workers=rx.params.apply_workers,
+                                    progress=rx.progress(f"verify {initial.version}", index.nbytes), stop=rx.stop)
+    except BaseException:
+        rx.store.recover()
+        raise
     digest = index.snapshot_digest(initial.checksum_format, checksums)
     if digest != initial.target_digest:
-        shutil.rmtree(folder, ignore_errors=True)
         rx.store.recover()
         raise ChecksumMismatch(
             f"launch snapshot hashes to {digest}, revision {initial.version} says {initial.target_digest}",
@@ -112,11 +124,11 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
         version=initial.version, path=rx.store.relative(folder), sequence=initial.sequence,
         checksum_format=initial.checksum_format, format_digest=initial.format_digest,
         target_digest=digest, checksums=checksums, files=folder_identity(folder), verified_at_unix_ms=now_ms(),
+        boot_id=boot_id(), flushed=True,  # copy_tree_files fsynced every file
     )
-    rx.store.record_verified(record)
-    rx.store.mark_ready(record)
+    rx.store.commit_ready(record, Chain(initial.version, initial.version, ()))
     rx.ledger.note(f"seeded {initial.version} from {seed_path}: {copied:,} bytes, digest verified")
     return record, copied
 
 
-seed_checkpoint_task = stage_task("seed checkpoint", seed_checkpoint, read_only=False)
+SEED_CHECKPOINT = Stage("seed checkpoint", seed_checkpoint, read_only=False)

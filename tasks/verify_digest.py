@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.errors import RefitError, StoreError
+from storage.errors import StoreError
 from storage.local_store import VerifiedCheckpoint
-from storage.reconstruct import restore_previous, verify_target
+from storage.reconstruct import verify_target
 from tasks.apply_deltas import Prepared
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
-from tasks.stage import stage_task
+from tasks.stage import Stage
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ def verify_digest(rx: Receiver, plan: ReplayPlan, prepared: Prepared) -> Verifie
 
     Only tensors that changed were hashed (during apply); clean tensors keep
     their verified checksums unless ``--verify full`` asks to reread them all.
+    A failure after mutation is rolled back by the run, like an apply failure.
     """
     full = rx.params.verify == "full"
     if not prepared.mutated and not full:
@@ -43,21 +44,15 @@ def verify_digest(rx: Receiver, plan: ReplayPlan, prepared: Prepared) -> Verifie
         if record is None:
             raise StoreError("the prepared checkpoint changed before it could be verified",
                              revision=prepared.version, file=str(prepared.path))
-        rx.store.mark_ready(record)
+        rx.store.point_at(record)
         return VerifiedTarget(record, prepared.path)
     progress = rx.progress("verify", 0)
-    try:
-        record = verify_target(
-            rx.store, plan.target, prepared.path, base=prepared.base, patched=prepared.patched,
-            chain=prepared.chain, full=full, workers=rx.params.apply_workers, mutated=prepared.mutated,
-            progress=progress,
-        )
-    except RefitError:
-        if prepared.mutated:
-            outcome = restore_previous(rx.store, prepared.previous, workers=rx.params.apply_workers)
-            rx.ledger.note(f"verification failed; {outcome}")
-        raise
+    record = verify_target(
+        rx.store, plan.target, prepared.path, base=prepared.base, patched=prepared.patched,
+        chain=prepared.chain, full=full, workers=rx.params.apply_workers, mutated=prepared.mutated,
+        progress=progress, stop=rx.stop,
+    )
     return VerifiedTarget(record, prepared.path, reread_bytes=progress.done)
 
 
-verify_digest_task = stage_task("verify digest", verify_digest, read_only=False)
+VERIFY_DIGEST = Stage("verify digest", verify_digest, read_only=False)

@@ -8,53 +8,10 @@ partially written (the receiver refuses further installs until ``recover``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
-
-from storage.local_store import ActiveIdentity, LocalStore
 from storage.settings import InstallerSettings
+from tasks.installers.base import InstallOutcome, InstallRequest, Installer, NoEngineInstaller
 
-
-@dataclass(frozen=True)
-class InstallRequest:
-    """What to install: a verified, READY checkpoint of the local store."""
-
-    store: LocalStore
-    version: str
-    digest: str
-    format_digest: str
-    path: Path
-    files: dict
-
-
-@dataclass(frozen=True)
-class InstallOutcome:
-    """What the engine(s) reported."""
-
-    detail: str
-    engines: tuple[str, ...] = ()
-
-
-class Installer(Protocol):
-    name: str
-
-    def install(self, request: InstallRequest) -> InstallOutcome: ...
-
-    def is_current(self, identity: ActiveIdentity) -> bool:
-        """True if the engine already runs ``identity`` (so installing again can be skipped)."""
-
-
-class NoEngineInstaller:
-    """Prepare, verify and activate without an engine: records the installed identity only."""
-
-    name = "none"
-
-    def install(self, request: InstallRequest) -> InstallOutcome:
-        return InstallOutcome(f"no engine: {request.version} recorded as installed from {request.path}")
-
-    def is_current(self, identity: ActiveIdentity) -> bool:
-        return True
+__all__ = ["InstallOutcome", "InstallRequest", "Installer", "NoEngineInstaller", "make_installer"]
 
 
 def make_installer(settings: InstallerSettings) -> Installer:

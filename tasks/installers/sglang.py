@@ -1,6 +1,6 @@
-"""Installers for SGLang 0.5.23 (SPEC section 9; its API as measured in ../shared/notes/sglang.md).
+"""Installers for SGLang 0.5.23 (docs/sglang.md).
 
-``sglang`` drives the in-engine loader (``flows.sglang_loader``): it writes the
+``sglang`` drives the in-engine loader (``tasks.installers.sglang_loader``): it writes the
 install request into the store, calls ``POST /update_weights_from_tensor`` with
 ``load_format`` = the loader's import path and one empty tensor list per TP
 rank, reads every rank's report, then sets and confirms ``weight_version``. The
@@ -39,7 +39,7 @@ from storage.errors import InstallError, PoisonedError
 from storage.local_store import ActiveIdentity, LocalStore, now_ms
 from storage.locks import StoreLock
 from storage.settings import InstallerSettings
-from tasks.installers import InstallOutcome, InstallRequest
+from tasks.installers.base import InstallOutcome, InstallRequest
 
 log = logging.getLogger("canonical_refit.install")
 T = TypeVar("T")
@@ -142,6 +142,7 @@ class _SGLangBase:
 
     def __init__(self, settings: InstallerSettings):
         self.settings = settings
+        self.engine_urls = tuple(settings.engine_urls)
         self.engines = [EngineClient(url, settings.timeout_s, settings.api_key) for url in settings.engine_urls]
 
     def is_current(self, identity: ActiveIdentity) -> bool:
@@ -192,7 +193,7 @@ class SGLangInstaller(_SGLangBase):
     name = "sglang"
 
     def install(self, request: InstallRequest) -> InstallOutcome:
-        from flows.sglang_loader import LoadRequest, read_reports, write_request
+        from tasks.installers.sglang_loader import LoadRequest, read_reports, write_request
 
         store, started = request.store, time.perf_counter()
         ranks = [self._ranks(engine, info, request) for engine, info in zip(self.engines, self._server_infos(request))]

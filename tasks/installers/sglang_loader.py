@@ -1,10 +1,10 @@
-"""The in-engine loader: SGLang runs it to load the receiver's prepared checkpoint (SPEC section 9).
+"""The in-engine loader: SGLang runs it to load the receiver's prepared checkpoint (docs/sglang.md).
 
 Register it when launching SGLang, with the receiver's store in the engine's environment::
 
     CANONICAL_REFIT_CACHE_DIR=/cache CANONICAL_REFIT_MODEL=org/name \\
     python -m sglang.launch_server ... \\
-        --custom-weight-loader flows.sglang_loader.load_prepared_checkpoint
+        --custom-weight-loader tasks.installers.sglang_loader.load_prepared_checkpoint
 
 The ``sglang`` installer then calls ``POST /update_weights_from_tensor`` with
 ``load_format`` set to that import path and one empty tensor list per TP rank,
@@ -45,7 +45,7 @@ from storage.settings import DEFAULT_CACHE_DIR
 
 log = logging.getLogger("canonical_refit.sglang_loader")
 
-LOADER_PATH = "flows.sglang_loader.load_prepared_checkpoint"
+LOADER_PATH = "tasks.installers.sglang_loader.load_prepared_checkpoint"
 REQUEST_SCHEMA = "canonical-refit.install-request.v1"
 VALIDATING, LOADING, OK, FAILED = "validating", "loading", "ok", "failed"
 TERMINAL = (OK, FAILED)
