@@ -1,13 +1,14 @@
-"""Serve the refit and publish deployments from one process: one host, no work pool, no worker.
+"""The node agent: this host's refit and publish deployments, run warm in one long-lived process.
 
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     python -m deployments.serve --catalog s3://bucket/catalog --model org/name \\
-        --seed-checkpoint /models/launch --interval 3600
+        --seed-checkpoint /models/launch --node gpu-node-3
 
-The receiver is configured as the CLI configures it: flags first, then the
+The node is configured as the CLI configures it: flags first, then the
 ``CANONICAL_REFIT_*`` environment variables (``storage/settings.py``). The
 process registers three deployments on the server ``PREFECT_API_URL`` names
-and runs their flow runs as subprocesses of itself:
+and runs their flow runs in this process (``deployments/agent.py``), one at a
+time, so no Python or Prefect start-up is paid per run:
 
 * ``refit/refit-latest`` refits to the catalog's latest revision every
   ``--interval`` seconds, when it is newer than the installed one;
@@ -16,10 +17,14 @@ and runs their flow runs as subprocesses of itself:
   is not newer than the installed one ends in a ``Skipped`` state that says so;
 * ``publish/publish`` is the trainer side, run with the checkpoint as a parameter.
 
-It starts one flow run at a time, so refits of the model on this host never
-overlap (a publish run queues behind a refit, too). On SIGTERM or Ctrl-C it
-pauses its deployments and exits; runs that events create meanwhile wait as
-scheduled runs until it is started again. See docs/operations.md.
+Runs never overlap (a publish run queues behind a refit, too). At start it
+schedules one run of ``refit-latest`` at once, so a new or restarted node
+catches up without waiting for the interval. Every flow run inherits the
+node's configuration (``node_environment``): a run started by hand with only
+catalog, model and target still refits this node's store into its engine.
+On SIGTERM or Ctrl-C the run in progress stops at its next safe point and
+the agent exits; runs that events create meanwhile wait, scheduled, until it
+is started again. See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -27,18 +32,21 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
+# stage helpers log from worker threads, outside any run context: keep those lines local
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import re  # noqa: E402
+import time  # noqa: E402
 import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
 from pydantic import Field, ValidationError  # noqa: E402
 from pydantic_settings import BaseSettings, SettingsConfigDict  # noqa: E402
 
-from storage.settings import InstallerSettings, RefitParams  # noqa: E402
+from flows.options import Flag, add_flags, build, given  # noqa: E402
+from storage.settings import RefitParams  # noqa: E402
 
 log = logging.getLogger("canonical_refit.serve")
 EVENT = "canonical-refit.revision.published"  # flows.publish.EVENT, without importing Prefect here
@@ -53,11 +61,13 @@ class ServeSettings(BaseSettings):
     interval_s: float = Field(3600.0, gt=0, description="seconds between scheduled refits to 'latest'")
     name_suffix: str = Field("", pattern=r"^(-[a-z0-9][a-z0-9-]{0,62})?$",
                              description="appended to each deployment name, e.g. '-gpu3' (one set per host)")
-    poll_s: int = Field(5, ge=1, le=600, description="seconds between the runner's queries for runs to start")
+    poll_s: float = Field(0.5, ge=0.05, le=600,
+                          description="seconds between the agent's queries for flow runs to start (each is one API "
+                                      "request while idle)")
 
 
 def resource_id(model: str, version: str) -> str:
-    """Resource id of the published event for ``model``'s ``version`` (SPEC section 11)."""
+    """Resource id of the published event for ``model``'s ``version`` (docs/format.md, section 6)."""
     return f"canonical-refit.revision.{model}.{version}"
 
 
@@ -114,32 +124,27 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
     return [latest, on_publish, trainer]
 
 
+NODE_FLAGS = [
+    Flag("catalog"), Flag("model"), Flag("node"), Flag("seed_checkpoint"), Flag("initial_version"), Flag("cache_dir"),
+    Flag("cache_max_gb"), Flag("apply_workers"), Flag("installer.kind", "--installer"),
+    Flag("installer.engine_urls", "--engine-url"), Flag("retries"), Flag("retry_delay_s", "--retry-delay"),
+    Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
+]
+SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds")]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.serve",
         description="Register the refit-latest, refit-on-publish and publish deployments on the Prefect "
                     "server named by PREFECT_API_URL and run their flow runs, one at a time. Settings not "
                     "given as flags come from CANONICAL_REFIT_* environment variables.")
-    add = parser.add_argument
-    add("--catalog", help="catalog URL (s3://bucket/prefix, file:///path or a local folder) "
-        "[CANONICAL_REFIT_CATALOG]")
-    add("--model", help="model id, e.g. org/name [CANONICAL_REFIT_MODEL]")
-    add("--seed-checkpoint", help="local folder of the launch snapshot [CANONICAL_REFIT_SEED_CHECKPOINT]")
-    add("--initial-version", help="launch revision (default: the sequence-0 record)")
-    add("--cache-dir", help="root of the local checkpoint store [CANONICAL_REFIT_CACHE_DIR]")
-    add("--cache-max-gb", type=float, help="byte quota of the store, decimal GB [CANONICAL_REFIT_CACHE_MAX_GB]")
-    add("--apply-workers", type=int, help="threads applying tensors [CANONICAL_REFIT_APPLY_WORKERS]")
-    add("--installer", choices=("none", "sglang", "sglang-disk"),
-        help="how to install into the engine [CANONICAL_REFIT_INSTALLER_KIND]")
-    add("--engine-url", action="append", default=[],
-        help="engine base URL (repeat per replica) [CANONICAL_REFIT_INSTALLER_ENGINE_URLS, a JSON list]")
-    add("--interval", type=float, help="seconds between scheduled refits [CANONICAL_REFIT_SERVE_INTERVAL_S]")
-    add("--name-suffix", help="suffix of the deployment names, e.g. -gpu3 [CANONICAL_REFIT_SERVE_NAME_SUFFIX]")
-    add("--poll-seconds", type=int,
-        help="seconds between queries for runs to start [CANONICAL_REFIT_SERVE_POLL_S]")
-    add("--print-params", action="store_true",
-        help="print the refit parameters as JSON for `prefect deployment run --params` and exit")
-    add("--target", default="latest", help="with --print-params: the version to refit to (default latest)")
+    add_flags(parser, RefitParams, NODE_FLAGS)
+    add_flags(parser, ServeSettings, SERVE_FLAGS)
+    parser.add_argument("--print-params", action="store_true",
+                        help="print the refit parameters as JSON for `prefect deployment run --params` and exit")
+    parser.add_argument("--target", default="latest",
+                        help="with --print-params: the version to refit to (default latest)")
     return parser
 
 
@@ -147,20 +152,32 @@ def parse_args(argv: list[str]) -> tuple[RefitParams, ServeSettings, argparse.Na
     """RefitParams and ServeSettings from the flags given; the environment fills in the rest."""
     parser = _parser()
     args = parser.parse_args(argv)
-    given = {"catalog": args.catalog, "model": args.model, "seed_checkpoint": args.seed_checkpoint,
-             "initial_version": args.initial_version, "cache_dir": args.cache_dir,
-             "cache_max_gb": args.cache_max_gb, "apply_workers": args.apply_workers}
-    values = {k: v for k, v in given.items() if v is not None}
-    installer = {k: v for k, v in {"kind": args.installer, "engine_urls": args.engine_url or None}.items()
-                 if v is not None}
-    serve = {k: v for k, v in {"interval_s": args.interval, "name_suffix": args.name_suffix,
-                                "poll_s": args.poll_seconds}.items() if v is not None}
     try:
-        if installer:
-            values["installer"] = InstallerSettings(**installer)
-        return RefitParams(**values), ServeSettings(**serve), args
+        return build(RefitParams, given(args, NODE_FLAGS)), build(ServeSettings, given(args, SERVE_FLAGS)), args
     except ValidationError as exc:
-        parser.error(str(exc))
+        parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+
+
+def node_environment(params: RefitParams) -> dict[str, str]:
+    """The node's configuration as ``CANONICAL_REFIT_*`` variables, for the flow runs this process starts.
+
+    A deployment run's parameters may carry only catalog, model and target
+    (an ad-hoc run from the UI, or ``prefect deployment run --params``): the
+    run then fills in everything else — store, seed, quota, installer,
+    engines, object storage — from these, so it acts on this node's store and
+    engine. Secrets are not in ``params`` (the API key stays in the environment).
+    """
+    env: dict[str, str] = {}
+    values = params.model_dump(mode="json", exclude_unset=True)
+    for name, value in values.items():
+        if name in ("installer", "storage", "target", "only_if_newer"):
+            continue
+        env[f"CANONICAL_REFIT_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    for name, value in params.installer.model_dump(mode="json", exclude_unset=True).items():
+        env[f"CANONICAL_REFIT_INSTALLER_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    for name, value in params.storage.model_dump(mode="json", exclude_unset=True).items():
+        env[f"CANONICAL_REFIT_S3_{name.upper()}"] = value if isinstance(value, str) else json.dumps(value)
+    return env
 
 
 def api_url() -> str | None:
@@ -185,16 +202,19 @@ def main(argv: list[str] | None = None) -> int:
         print("error: PREFECT_API_URL is not set. Start a server (prefect server start) and export "
               "PREFECT_API_URL=http://127.0.0.1:4200/api first.", file=sys.stderr)
         return 2
-    from prefect import serve
+    from deployments.agent import serve_in_process
+    from flows.publish import publish
+    from flows.refit import refit
 
+    os.environ.update(node_environment(params))  # ad-hoc runs use this node's store and engine
     deployments = build_deployments(params, settings)
-    slug = re.sub(r"[^a-z0-9]+", "-", params.model.lower()).strip("-")
-    log.info("serving %s for %s from %s on %s: refit-latest every %.0f s, refit-on-publish on %s; "
-             "one flow run at a time", ", ".join(d.name for d in deployments), params.model, params.catalog,
-             url, settings.interval_s, EVENT)
-    # limit=1: one flow run at a time in this process, so two refits of the model never overlap
-    serve(*deployments, limit=1, query_seconds=settings.poll_s,
-          name=f"canonical-refit-{slug}{settings.name_suffix}")
+    log.info("node %s serving %s for %s from %s on %s: refit-latest every %.0f s, refit-on-publish on %s; "
+             "flow runs in this process, one at a time", params.node, ", ".join(d.name for d in deployments),
+             params.model, params.catalog, url, settings.interval_s, EVENT)
+    stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, poll_s=settings.poll_s,
+                             start_now=f"refit-latest{settings.name_suffix}")
+    log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,
+             time.monotonic() - stats.started_at)
     return 0
 
 

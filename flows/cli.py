@@ -1,178 +1,233 @@
-"""Command line of the receiver: ``python -m flows.refit [status|recover|activate] ...``."""
+"""Command line of the receiver: ``python -m flows.refit [status|recover|activate] ...``.
+
+Exit codes: 0 ready (or skipped: nothing to do), 1 failed (the installed
+version is unchanged), 2 usage error, 3 poisoned (run ``recover``), 130
+interrupted (Ctrl-C, SIGTERM or cancellation; the next run recovers the store).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 
-EXIT_READY, EXIT_FAILED, EXIT_USAGE, EXIT_POISONED = 0, 1, 2, 3
+from flows.options import Flag, add_flags, build, given
+from flows.report import FAILED, INTERRUPTED, RefitResult, print_result, quiet_expected_errors, result_of
+
 _COMMANDS = ("status", "recover", "activate")
-
-
-def _store_flags(parser: argparse.ArgumentParser, *, catalog_required: bool) -> None:
-    parser.add_argument("--catalog", required=catalog_required,
-                        help="catalog URL: s3://bucket/prefix, file:///path or a local folder")
-    parser.add_argument("--model", required=True, help="model id, e.g. org/name")
-    parser.add_argument("--cache-dir", help="root of the local checkpoint store "
-                        "(default: ~/.cache/canonical-refit or $CANONICAL_REFIT_CACHE_DIR)")
-    parser.add_argument("--cache-max-gb", type=float, help="byte quota of the store in decimal GB (default 500)")
-    parser.add_argument("--installer", choices=("none", "sglang", "sglang-disk"),
-                        help="how to install into the engine (default: none)")
-    parser.add_argument("--engine-url", action="append", default=[],
-                        help="engine base URL, e.g. http://127.0.0.1:30000 (repeat for each replica)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+EXIT_CODES_HELP = "Exit codes: 0 ready or skipped, 1 failed, 2 usage, 3 poisoned, 130 interrupted."
+INSTALLER_FLAGS = [Flag("installer.kind", "--installer"), Flag("installer.engine_urls", "--engine-url")]
+REFIT_FLAGS = [
+    Flag("catalog"), Flag("model"), Flag("node"), Flag("target"), Flag("initial_version"), Flag("seed_checkpoint"),
+    Flag("cache_dir"), Flag("cache_max_gb"), Flag("apply_workers"), Flag("verify"),
+    Flag("lock_timeout_s", "--lock-timeout"), Flag("activate", invert=True), Flag("only_if_newer"),
+    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), *INSTALLER_FLAGS,
+    Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
+]
+RECOVER_FLAGS = [Flag("model"), Flag("cache_dir"), Flag("lock_timeout_s", "--lock-timeout"), *INSTALLER_FLAGS,
+                 Flag("override_installer")]
 
 
 def _run_parser() -> argparse.ArgumentParser:
+    from storage.settings import RefitParams
+
     parser = argparse.ArgumentParser(
         prog="python -m flows.refit",
-        description="Move the local checkpoint to a target revision, verify it and install it. "
-                    "With no arguments at all, runs the embedded demo. Subcommands: status, recover, activate.",
-    )
-    _store_flags(parser, catalog_required=True)
-    parser.add_argument("--target", help="version to install, or 'latest' (default)")
-    parser.add_argument("--initial-version", help="launch revision (default: the catalog's sequence-0 record)")
-    parser.add_argument("--seed-checkpoint", help="local folder of the launch Hugging Face snapshot")
-    parser.add_argument("--apply-workers", type=int, help="threads applying tensors (default: cores, max 8)")
-    parser.add_argument("--fetch-workers", type=int, help="objects downloaded at once (default 8)")
-    parser.add_argument("--verify", choices=("incremental", "full"),
-                        help="'full' rereads every tensor instead of reusing verified checksums")
-    parser.add_argument("--no-activate", action="store_true",
-                        help="install but defer activation to `python -m flows.refit activate`")
-    parser.add_argument("--only-if-newer", action="store_true",
-                        help="do nothing if the target is not newer than the installed revision")
-    parser.add_argument("--lock-timeout", type=float, help="longest wait for another receiver's lock, seconds")
+        description="Move the local checkpoint to a target revision, verify it and install it. With no "
+                    "arguments at all, runs the embedded demo. Subcommands: status, recover, activate "
+                    f"(see `python -m flows.refit recover --help`). {EXIT_CODES_HELP}")
+    add_flags(parser, RefitParams, REFIT_FLAGS)
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
 
 
 def _sub_parser(command: str) -> argparse.ArgumentParser:
+    from flows.recover import RecoverParams
+
     helps = {
         "status": "print the store state and the installed identity",
-        "recover": "re-install the last verified checkpoint and clear a poisoned mark",
+        "recover": "repair the store and, if the node is poisoned, re-install the last verified checkpoint "
+                   "through the installer it was poisoned with, then clear the mark",
         "activate": "record a checkpoint installed with --no-activate as the active version",
     }
     parser = argparse.ArgumentParser(prog=f"python -m flows.refit {command}", description=helps[command])
-    _store_flags(parser, catalog_required=False)
+    flags = RECOVER_FLAGS if command == "recover" else RECOVER_FLAGS[:3] + INSTALLER_FLAGS[:1]
+    add_flags(parser, RecoverParams, flags)
+    parser.add_argument("--catalog", help="not needed here (accepted so a refit's flags can be reused)")
     if command == "activate":
         parser.add_argument("--version", required=True, help="the installed version to activate")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     return parser
 
 
 def build_params(args: argparse.Namespace):
     """RefitParams from the flags that were given; the environment fills in the rest."""
-    from storage.settings import InstallerSettings, ObjectStoreSettings, RefitParams
+    from storage.settings import RefitParams
 
-    given = {
-        "catalog": args.catalog or "unused://", "model": args.model,
-        "target": getattr(args, "target", None), "initial_version": getattr(args, "initial_version", None),
-        "seed_checkpoint": getattr(args, "seed_checkpoint", None), "cache_dir": args.cache_dir,
-        "cache_max_gb": args.cache_max_gb, "apply_workers": getattr(args, "apply_workers", None),
-        "verify": getattr(args, "verify", None), "lock_timeout_s": getattr(args, "lock_timeout", None),
-        "only_if_newer": getattr(args, "only_if_newer", None) or None,
-    }
-    params = {k: v for k, v in given.items() if v is not None}
-    if getattr(args, "no_activate", False):
-        params["activate"] = False
-    installer = {k: v for k, v in {"kind": args.installer, "engine_urls": args.engine_url or None}.items()
-                 if v is not None}
-    params["installer"] = InstallerSettings(**installer)
-    if getattr(args, "fetch_workers", None):
-        params["storage"] = ObjectStoreSettings(concurrency=args.fetch_workers)
-    return RefitParams(**params)
+    return build(RefitParams, given(args, REFIT_FLAGS))
 
 
-def main(argv: list[str] | None = None, *, refit_flow=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_expected_errors()
     if not argv:
+        from flows.prefect_api import prefect_api
         from flows.demo import run_demo
 
-        return run_demo(refit_flow=refit_flow)
+        with prefect_api():
+            return run_demo()
     from pydantic import ValidationError
 
     command = argv[0] if argv[0] in _COMMANDS else None
     parser = _sub_parser(command) if command else _run_parser()
     args = parser.parse_args(argv[1:] if command else argv)
     try:
+        if command == "status":
+            return _status(args)
+        if command == "recover":
+            return _recover(args)
+        if command == "activate":
+            return _activate(args)
         params = build_params(args)
     except ValidationError as exc:
-        parser.error(str(exc))
-    if command == "status":
-        return _status(params, args)
-    if command in ("recover", "activate"):
-        return _recover_or_activate(command, params, args)
-    if refit_flow is None:
-        from flows.refit import refit as refit_flow
-    state = refit_flow(params, return_state=True)
-    result = result_of(state)
+        parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+    result = run_cli_refit(params)
     if args.json:
-        print(json.dumps(result.to_json(), indent=None, sort_keys=True))
+        print(json.dumps(result.to_json(), sort_keys=True), flush=True)
     else:
         print_result(result)
-    return {"READY": EXIT_READY, "SKIPPED": EXIT_READY, "POISONED": EXIT_POISONED}.get(result.status, EXIT_FAILED)
+        sys.stdout.flush()
+    if not abandoned():
+        from storage.flush import wait_for_flushes
+
+        wait_for_flushes()  # reported already; a one-off command still leaves its checkpoint on disk
+    return result.exit_code
 
 
-def result_of(state):
-    """The RefitResult a final state carries (failed states carry it on their error)."""
-    from flows.report import FAILED, RefitResult
-
-    value = state.result(raise_on_failure=False)
-    value = getattr(value, "result", value)
-    if isinstance(value, RefitResult):
-        return value
-    return RefitResult(FAILED, None, None, None, None, error=f"{state.name}: {state.message}")
+REPORT_GRACE_S = 15.0  # after the run's own work is done, how long Prefect may take to record it
+_abandoned: list[bool] = []
 
 
-def print_result(result) -> None:
-    """Human-readable stage table and identity."""
-    print(f"{'stage':<16}{'status':<8}{'seconds':>9}{'bytes':>15}{'MB/s':>9}{'retries':>8}")
-    for s in result.stages:
-        rate = s["bytes"] / s["seconds"] / 1e6 if s["seconds"] else 0.0
-        print(f"{s['name']:<16}{s['status']:<8}{s['seconds']:>9.3f}{s['bytes']:>15,}{rate:>9.1f}{s['retries']:>8}")
-    print(f"status: {result.status}")
-    print(f"version: {result.version}")
-    print(f"target digest: {result.target_digest}")
-    print(f"format digest: {result.format_digest}")
-    print(f"checkpoint: {result.checkpoint_path}")
-    if result.lineage:
-        print(f"lineage: {' -> '.join(result.lineage)}")
-    if result.error:
-        print(f"error: {result.error}")
+def run_cli_refit(params) -> RefitResult:
+    """Run the refit flow for the CLI; its outcome never depends on the API after the work is done.
+
+    The flow runs in a worker thread while this (main) thread owns the
+    signals: Ctrl-C or SIGTERM stop the run cooperatively. Once the run's own
+    work has ended (its result is known), Prefect gets ``REPORT_GRACE_S`` to
+    record the final state; if its API is gone, the CLI reports the run's real
+    outcome anyway and exits without waiting on it.
+    """
+    import contextvars
+    import threading
+    import time
+
+    from flows.prefect_api import prefect_api
+    from flows.refit import refit
+    from flows.report import forget_last, last_result
+    from storage.cancel import signals_stop_the_run
+
+    forget_last()
+    outcome: dict = {}
+    finished = threading.Event()
+
+    def body() -> None:
+        try:
+            outcome["result"] = result_of(refit(params, return_state=True))
+        except BaseException as exc:  # reported below from what the run itself recorded
+            outcome["error"] = exc
+        finally:
+            finished.set()
+
+    with signals_stop_the_run():
+        with prefect_api() as api:
+            context = contextvars.copy_context()  # the flow thread sees this API's settings
+            thread = threading.Thread(target=context.run, args=(body,), name="refit-flow", daemon=True)
+            thread.start()
+            ended_at = None
+            while not finished.wait(0.1):
+                if last_result() is None:
+                    continue
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at > REPORT_GRACE_S:
+                    _abandoned.append(True)
+                    api.drain_timeout_s = 2.0
+                    logging.getLogger("canonical_refit.cli").warning(
+                        "the refit ended but Prefect could not record its final state within %.0fs; "
+                        "reporting the outcome without it", REPORT_GRACE_S)
+                    break
+    done = last_result()
+    if "result" in outcome and (done is None or outcome["result"].status == done.status):
+        return outcome["result"]
+    if done is not None:
+        return done
+    exc = outcome.get("error")
+    status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
+    return RefitResult(status, None, None, None, None, error=f"{type(exc).__name__}: {exc}" if exc else status,
+                       target=params.target)
 
 
-def _status(params, args) -> int:
+def abandoned() -> bool:
+    """True if a flow thread was left behind (the process must exit without waiting for it)."""
+    return bool(_abandoned)
+
+
+def _status(args) -> int:
+    from flows.recover import RecoverParams
     from storage.local_store import LocalStore
 
-    info = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes).describe()
-    print(json.dumps(info, indent=None if args.json else 2, sort_keys=True, default=str))
-    return EXIT_READY
+    params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
+    store = LocalStore(params.cache_dir, params.model, create=False)
+    if not store.exists:
+        print(f"no store for {params.model} under {params.cache_dir}: nothing was refitted there yet "
+              "(check --model and --cache-dir)", file=sys.stderr)
+        return 1
+    print(json.dumps(store.describe(), indent=None if args.json else 2, sort_keys=True, default=str))
+    return 0
 
 
-def _recover_or_activate(command: str, params, args) -> int:
+def _recover(args) -> int:
+    from flows.recover import RecoverParams, run_recover
+
+    result = run_recover(build(RecoverParams, given(args, RECOVER_FLAGS)))
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    elif result.status == "READY":
+        for repair in result.repairs:
+            print(f"repaired: {repair}")
+        print(f"recover: {result.detail}")
+    else:
+        print(f"{result.status}: {result.error}")
+    return result.exit_code
+
+
+def _activate(args) -> int:
+    from flows.recover import RecoverParams
     from storage.errors import RefitError
-    from tasks.activate import record_active
-    from tasks.install import recover
-    from tasks.installers import make_installer
-    from tasks.receiver import Receiver
+    from storage.local_store import LocalStore
 
-    rx = Receiver(params, installer=make_installer(params.installer))
+    params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
+    store = LocalStore(params.cache_dir, params.model, create=False)
     try:
-        if command == "recover":
-            receipt = recover(rx)
-            outcome = {"status": "READY", "version": receipt.target.checkpoint.version, "detail": receipt.detail}
-        else:
-            with rx.store.shared(params.lock_timeout_s, "activation"):
-                identity = record_active(rx.store, args.version, params.installer.kind)
-            outcome = {"status": "READY", "version": identity.version, "detail": "activated"}
+        with store.shared(params.lock_timeout_s, "activation"):
+            identity = store.activate(args.version, getattr(args, "installer__kind", None) or "none")
     except RefitError as exc:
-        poisoned = rx.store.poisoned() is not None
-        outcome = {"status": "POISONED" if poisoned else "FAILED", "error": str(exc)}
-        print(json.dumps(outcome, sort_keys=True) if args.json else f"{outcome['status']}: {exc}")
-        return EXIT_POISONED if poisoned else EXIT_FAILED
-    print(json.dumps(outcome, sort_keys=True) if args.json else f"{command}: {outcome['version']} is active")
-    return EXIT_READY
+        print(json.dumps({"status": FAILED, "error": str(exc)}) if args.json else f"FAILED: {exc}")
+        return 1
+    outcome = {"status": "READY", "version": identity.version, "detail": "activated"}
+    print(json.dumps(outcome, sort_keys=True) if args.json else f"activate: {identity.version} is active")
+    return 0
+
+
+def exit_with(code: int) -> None:
+    """Exit with ``code``; immediately if a flow thread was abandoned to a dead API."""
+    if abandoned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())
-
+    exit_with(main())

@@ -26,15 +26,14 @@ def demo_dir() -> Path:
     return Path(os.environ.get("CANONICAL_REFIT_DEMO_DIR", ".canonical-refit-demo")).resolve()
 
 
-def run_demo(refit_flow=None) -> int:
+def run_demo() -> int:
     """Publish the next demo revision(s), refit to latest, print the stage table and identity."""
-    from flows.cli import print_result, result_of
     from flows.publish import publish
+    from flows.refit import refit
+    from flows.report import print_result, result_of
     from storage.urls import normalize_url
     from storage.settings import InstallerSettings, PublishParams, RefitParams
 
-    if refit_flow is None:
-        from flows.refit import refit as refit_flow
     root = demo_dir()
     catalog = normalize_url(str(root / "catalog"))
     trainer = root / "trainer"
@@ -72,7 +71,7 @@ def run_demo(refit_flow=None) -> int:
         publish_step(step + 1, "delta", train_step(tensors, seed=step + 1))
     params = RefitParams(catalog=catalog, model=MODEL, seed_checkpoint=str(root / "launch"),
                          cache_dir=root / "cache", installer=InstallerSettings(kind="none"))
-    result = result_of(refit_flow(params, return_state=True))
+    result = result_of(refit(params, return_state=True))
     print_result(result)
     print(f"store: {root / 'cache'}  (inspect with: python -m flows.refit status --cache-dir "
           f"{root / 'cache'} --model {MODEL})")

@@ -24,8 +24,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from prefect import flow, task  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect import flow  # noqa: E402
 
 from storage.catalog import Catalog, Revision  # noqa: E402
 from storage.checkpoint import CheckpointIndex  # noqa: E402
@@ -37,7 +36,8 @@ from storage.publisher import (  # noqa: E402
     snapshot_of, stage_delta, stage_full, upload_payload,
 )
 from storage.settings import PublishParams  # noqa: E402
-from tasks.stage import transient_only  # noqa: E402
+from flows.options import Flag, add_flags, build, given  # noqa: E402
+from tasks.stage import step  # noqa: E402
 
 log = logging.getLogger("canonical_refit.publish")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
@@ -64,6 +64,7 @@ class PublishResult:
     files: int = 0
     seconds: float = 0.0
     already_published: bool = False
+    attempts: int = 1  # of the upload and record write (retried after transient failures)
 
 
 @dataclass(frozen=True)
@@ -82,23 +83,30 @@ def payload_root(params: PublishParams, catalog: Catalog) -> str:
     return params.payload_url or join_url(parent_url(catalog.url), "revisions")
 
 
-@task(name="plan revision", cache_policy=NO_CACHE)
+@step("plan revision")
 def plan_revision(params: PublishParams, catalog: Catalog) -> Publication:
-    """Pick version and sequence; for a delta, load the exact base (checked against its record)."""
+    """Pick version and claim its sequence; for a delta, load the exact base (checked against its record)."""
     sequence, latest = next_sequence(catalog)
+    existing = existing_record(catalog, params.version) if params.version else None
     if params.kind == "initial":
+        if latest is not None and existing is None:
+            raise LineageError(f"the catalog already has revisions (latest {latest.version}): --kind initial only "
+                               "starts an empty catalog; publish this checkpoint as --kind full or delta",
+                               revision=params.version or "r0", file=catalog.url, field="sequence")
         sequence = 0
     elif latest is None:
-        raise LineageError("the catalog is empty: publish the launch revision first (--kind initial)")
-    version = params.version or f"r{sequence}"
-    existing = existing_record(catalog, version)
+        raise LineageError("the catalog is empty: publish the launch revision first (--kind initial)",
+                           file=catalog.url)
+    if existing is not None:  # a republish (after a crash, or a retry): same version, same sequence
+        sequence, version = existing.sequence, existing.version
+    else:
+        sequence, version = claim_sequence(catalog, sequence, params.version)
     target = CheckpointIndex.open(params.checkpoint, revision=version)
     base, base_snapshot = None, None
     if params.kind == "delta":
         base = catalog.read(params.base_version) if params.base_version else latest
         if existing is not None:
             base = catalog.read(existing.base_version) if existing.base_version else base
-            sequence = existing.sequence
         if params.base_checkpoint is not None:
             base_snapshot = snapshot_of(params.base_checkpoint, base.checksum_format, workers=params.workers)
             if base_snapshot.target_digest != base.target_digest:
@@ -107,12 +115,22 @@ def plan_revision(params: PublishParams, catalog: Catalog) -> Publication:
                                    file=str(params.base_checkpoint))
         else:
             base_snapshot = PublisherCopy(params.state_dir, params.model).base_for(base, workers=params.workers)
-    elif existing is not None:
-        sequence = existing.sequence
     return Publication(version, sequence, base, base_snapshot, target, existing)
 
 
-@task(name="encode payload", cache_policy=NO_CACHE)
+def claim_sequence(catalog: Catalog, sequence: int, version: str | None, *, attempts: int = 64) -> tuple[int, str]:
+    """Claim the first free sequence from ``sequence`` on (create-only), so no two records ever share one."""
+    for candidate in range(sequence, sequence + attempts):
+        name = version or f"r{candidate}"
+        holder = catalog.claim_sequence(candidate, name)
+        if holder == name:
+            return candidate, name
+        log.info("sequence %d is already claimed by %s; trying %d", candidate, holder, candidate + 1)
+    raise ImmutableConflict(f"sequences {sequence} to {sequence + attempts - 1} are all claimed by other "
+                            "publications", file=catalog.url, field="sequence")
+
+
+@step("encode payload")
 def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> tuple[Payload | None, Snapshot]:
     """Stage the payload files locally; returns the payload and the target snapshot."""
     if params.kind == "delta":
@@ -130,13 +148,12 @@ def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> t
     return stage_full(snap, staging), snap
 
 
-@task(name="upload payload", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[1, 4],
-      retry_condition_fn=transient_only)  # a conflict or a denied write cannot succeed later
+@step("upload payload", retries=2, retry_delays_s=(1.0, 4.0))  # a conflict or a denied write cannot succeed later
 def upload(params: PublishParams, objects: ObjectStore, payload: Payload | None, url: str) -> int:
     return upload_payload(objects, payload, url, workers=params.storage.concurrency) if payload else 0
 
 
-@task(name="write record", cache_policy=NO_CACHE)
+@step("write record")
 def write_record(catalog: Catalog, record: Revision) -> bool:
     """Create the catalog record (last); an identical earlier publication is accepted as is."""
     try:
@@ -164,11 +181,50 @@ def emit_published(record: Revision, catalog: Catalog) -> None:
 @flow(name="publish", flow_run_name="publish {params.model} {params.kind}", validate_parameters=True)
 def publish(params: PublishParams) -> PublishResult:
     """Publish ``params.checkpoint`` as the launch revision, a full revision or an exact-base delta."""
+    return run_publish(params)
+
+
+def put_publication(params: PublishParams, objects: ObjectStore, catalog: Catalog, payload: Payload | None,
+                    url: str, record: Revision) -> tuple[int, bool, int]:
+    """Upload the payload, then write the record; after a transient failure, both again (bytes written,
+    record created, attempts).
+
+    Every write is create-only and a retry writes the same bytes, so a retry
+    after a partial upload completes it: what is there already is accepted.
+    """
+    attempts = []
+
+    def put() -> tuple[int, bool]:
+        attempts.append(1)
+        return upload(params, objects, payload, url), write_record(catalog, record)
+
+    written, created = retried(params, f"publishing {record.version}", put)
+    return written, created, len(attempts)
+
+
+def retried(params: PublishParams, what: str, fn):
+    """``fn()``, called again after a transient failure: ``params.retries`` times, the delay doubling."""
+    for attempt in range(1, params.retries + 2):
+        try:
+            return fn()
+        except RefitError as exc:
+            if not exc.transient or attempt > params.retries:
+                raise
+            delay = params.retry_delay_s * 2 ** (attempt - 1)
+            log.warning("%s failed on a transient error (attempt %d of %d); retrying in %.0fs: %s", what, attempt,
+                        params.retries + 1, delay, exc)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def run_publish(params: PublishParams) -> PublishResult:
+    """The publication runbook (the flow's body; runs plain outside a flow run): plan, encode, upload, record."""
     started = time.perf_counter()
     objects = ObjectStore(params.storage)
     catalog = Catalog(objects, params.catalog, params.model)
     for prefix in {catalog.url, payload_root(params, catalog)}:  # catalog and payloads may be two buckets
-        objects.ensure_conditional_writes(prefix, allow_unconditional=params.allow_unconditional_writes)
+        retried(params, "checking create-only writes", lambda p=prefix: objects.ensure_conditional_writes(
+            p, allow_unconditional=params.allow_unconditional_writes))
     plan = plan_revision(params, catalog)
     url = join_url(payload_root(params, catalog), plan.version)
     with tempfile.TemporaryDirectory(prefix="canonical-refit-publish-") as tmp:
@@ -179,8 +235,7 @@ def publish(params: PublishParams) -> PublishResult:
         if plan.existing is not None and not same_publication(plan.existing, record):
             raise ImmutableConflict("a different revision is already published under this version",
                                     revision=plan.version, file=catalog.record_url(plan.version))
-        written = upload(params, objects, payload, url)
-        created = write_record(catalog, record)
+        written, created, attempts = put_publication(params, objects, catalog, payload, url, record)
     if params.emit_event:
         emit_published(record, catalog)
     if params.keep_copy:
@@ -193,7 +248,7 @@ def publish(params: PublishParams) -> PublishResult:
         decoded_bytes=payload.decoded_bytes if payload else 0, encoded_bytes=payload.encoded_bytes if payload else 0,
         compression_ratio=round(payload.compression_ratio, 3) if payload else 0.0,
         changed_tensors=len(payload.changed) if payload else 0, files=len(payload.files) if payload else 0,
-        seconds=round(time.perf_counter() - started, 3), already_published=not created,
+        seconds=round(time.perf_counter() - started, 3), already_published=not created, attempts=attempts,
     )
     log.info("published %s (seq %d, %s): %d bytes written, %d changed tensor(s), ratio %.2f, %.2fs",
              result.version, result.sequence, result.payload_format, result.bytes_written,
@@ -201,50 +256,41 @@ def publish(params: PublishParams) -> PublishResult:
     return result
 
 
-def parse_args(argv: list[str]) -> PublishParams:
+PUBLISH_FLAGS = [
+    Flag("catalog"), Flag("model"), Flag("checkpoint"), Flag("kind"), Flag("version"), Flag("payload_url"),
+    Flag("base_version"), Flag("base_checkpoint"), Flag("state_dir"), Flag("keep_copy", invert=True),
+    Flag("encoding"), Flag("checksum_format"), Flag("bucket_max_mib", "--bucket-mib"), Flag("zstd_level"),
+    Flag("workers"), Flag("allow_unconditional_writes"), Flag("emit_event", "--no-event", invert=True),
+    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("storage.concurrency", "--upload-workers"),
+    Flag("storage.endpoint_url", "--s3-endpoint-url"),
+]
+
+
+def parse_args(argv: list[str]) -> tuple[PublishParams, bool]:
+    """PublishParams from the flags given (the environment fills in the rest), and whether --json was."""
+    from pydantic import ValidationError
+
     parser = argparse.ArgumentParser(prog="python -m flows.publish", description=(
         "Publish a local safetensors checkpoint as a canonical revision: the launch revision (metadata "
         "only), a full checkpoint, or an XOR delta against the exact previous revision."))
-    add = parser.add_argument
-    add("--catalog", required=True, help="catalog URL (s3://bucket/prefix, file:///path or a local folder)")
-    add("--model", required=True, help="model id, e.g. org/name")
-    add("--checkpoint", required=True, help="local folder of the safetensors checkpoint to publish")
-    add("--kind", choices=("initial", "full", "delta"), default="delta",
-        help="initial: revision 0 describing the launch snapshot; full: a full checkpoint; delta (default)")
-    add("--version", help="version id of the new revision (default: r{sequence})")
-    add("--payload-url", help="where payload objects go (default: {catalog}/../revisions/{version})")
-    add("--base-version", help="revision the delta applies to (default: the latest)")
-    add("--base-checkpoint", help="local copy of the base revision (default: the publisher's kept copy)")
-    add("--state-dir", help="where the publisher keeps its copy of the last published checkpoint")
-    add("--no-keep-copy", action="store_true", help="do not keep a copy of what was published")
-    add("--encoding", choices=("xor", "xor_sparse", "overwrite", "auto"),
-        help="delta encoding (default xor; auto picks a sparse one for tiny updates)")
-    add("--checksum-format", choices=("adler32", "xxh3-128", "blake3"),
-        help="per-tensor checksum of initial and full revisions (deltas use their base's); default adler32")
-    add("--bucket-mib", type=int, help="decoded MiB per delta bucket (default 256)")
-    add("--zstd-level", type=int, help="zstd compression level (default 3)")
-    add("--workers", type=int, help="threads encoding tensors (default: cores, max 8)")
-    add("--allow-unconditional-writes", action="store_true",
-        help="publish even if the object store does not enforce create-only writes")
-    add("--no-event", action="store_true", help=f"do not emit the {EVENT} event")
-    add("--json", action="store_true", help="print the result as one JSON object")
+    add_flags(parser, PublishParams, PUBLISH_FLAGS)
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = parser.parse_args(argv)
-    given = {
-        "catalog": args.catalog, "model": args.model, "checkpoint": args.checkpoint, "kind": args.kind,
-        "version": args.version, "payload_url": args.payload_url, "base_version": args.base_version,
-        "base_checkpoint": args.base_checkpoint, "state_dir": args.state_dir, "encoding": args.encoding,
-        "checksum_format": args.checksum_format, "bucket_max_mib": args.bucket_mib,
-        "zstd_level": args.zstd_level, "workers": args.workers,
-    }
-    params = {k: v for k, v in given.items() if v is not None}
-    params.update(keep_copy=not args.no_keep_copy, emit_event=not args.no_event,
-                  allow_unconditional_writes=args.allow_unconditional_writes)
-    return PublishParams(**params), args.json
+    try:
+        return build(PublishParams, given(args, PUBLISH_FLAGS)), args.json
+    except ValidationError as exc:
+        parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flows.prefect_api import prefect_api
+
+    from flows.report import quiet_expected_errors
+
+    quiet_expected_errors()
     params, as_json = parse_args(list(sys.argv[1:] if argv is None else argv))
-    state = publish(params, return_state=True)
+    with prefect_api():
+        state = publish(params, return_state=True)
     value = state.result(raise_on_failure=False)
     if isinstance(value, PublishResult):
         print(json.dumps(asdict(value), sort_keys=True) if as_json else

@@ -1,7 +1,11 @@
-"""The receiver flow: move the local checkpoint to a target revision and install it (SPEC section 8).
+"""The receiver flow: move the local checkpoint to a target revision and install it.
 
-Run ``python -m flows.refit --help`` for the CLI; with no arguments at all it
-runs the embedded demo (``flows.demo``).
+``runbook`` is the one composition of the eight stages (``docs/format.md``,
+"Stages of a refit"); the Prefect flow ``refit``, the CLI, the deployments,
+the Python API, the tests, the crash harness and the benchmarks all run it.
+Inside a flow run each stage is a Prefect task; outside one, the same
+functions run plain. Run ``python -m flows.refit --help`` for the CLI; with
+no arguments at all it runs the embedded demo (``flows.demo``).
 """
 
 from __future__ import annotations
@@ -13,70 +17,302 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 import logging  # noqa: E402
+import time  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from typing import Iterator  # noqa: E402
 
 from prefect import flow  # noqa: E402
-from prefect.states import Completed, Failed, State  # noqa: E402
+from prefect.states import Cancelled, Completed, Failed, State  # noqa: E402
 
-from flows.report import FAILED, POISONED, READY, SKIPPED, PrefectReporter, build_result  # noqa: E402
-from storage.errors import RefitError  # noqa: E402
+from flows.report import (  # noqa: E402
+    FAILED, INTERRUPTED, POISONED, READY, SKIPPED, PrefectReporter, RefitResult, build_result, remember,
+)
+from storage.cancel import StopToken, current_stop, signals_stop_the_run  # noqa: E402
+from storage.errors import Interrupted, RefitError  # noqa: E402
+from storage.flush import flush_in_background  # noqa: E402
+from storage.local_store import UPDATING, LocalStore  # noqa: E402
+from storage.nodes import NodeRecord, write_node_record  # noqa: E402
+from storage.objects import ObjectStore  # noqa: E402
+from storage.killpoints import killpoint  # noqa: E402
+from storage.pipeline import Arrivals  # noqa: E402
+from storage.reconstruct import roll_back  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
-from tasks.activate import activate_task  # noqa: E402
-from tasks.apply_deltas import apply_deltas_task  # noqa: E402
-from tasks.fetch_buckets import fetch_buckets_task  # noqa: E402
-from tasks.fetch_index import fetch_index_task  # noqa: E402
-from tasks.install import install_task  # noqa: E402
+from tasks.activate import ACTIVATE  # noqa: E402
+from tasks.apply_deltas import APPLY_DELTAS  # noqa: E402
+from tasks.fetch_buckets import FETCH_BUCKETS, discard_rejected_artifact  # noqa: E402
+from tasks.fetch_index import FETCH_INDEX  # noqa: E402
+from tasks.install import INSTALL, recover_command  # noqa: E402
 from tasks.installers import make_installer  # noqa: E402
 from tasks.receiver import Receiver  # noqa: E402
-from tasks.resolve_catalog import resolve_catalog_task  # noqa: E402
-from tasks.seed_checkpoint import seed_checkpoint_task  # noqa: E402
-from tasks.verify_digest import verify_digest_task  # noqa: E402
+from tasks.resolve_catalog import RESOLVE_CATALOG  # noqa: E402
+from tasks.seed_checkpoint import SEED_CHECKPOINT  # noqa: E402
+from tasks.stage import in_flow_run  # noqa: E402
+from tasks.verify_digest import VERIFY_DIGEST  # noqa: E402
+from flows.prefect_api import configured_api_url  # noqa: E402
 
+log = logging.getLogger("canonical_refit.refit")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
+
+
+def runbook(rx: Receiver) -> str:
+    """The eight stages in order; returns READY or SKIPPED, raises with the store consistent.
+
+    The exclusive lock covers stages 1-6 and becomes the shared installation
+    fence for 7-8. Fetch runs beside apply; it is cancelled and joined before
+    anything else touches the store, on every path; only then is a failed
+    update rolled back, and only then is the lock released.
+    """
+    with rx.preparation() as lock:
+        plan = RESOLVE_CATALOG(rx)
+        if plan.skip:
+            return SKIPPED
+        baseline = SEED_CHECKPOINT(rx, plan)
+        indexes = FETCH_INDEX(rx, plan, baseline)
+        with rolled_back_on_failure(rx, indexes):
+            with fetching_beside(rx, plan, baseline, indexes) as arrivals:
+                prepared = APPLY_DELTAS(rx, plan, baseline, indexes, arrivals)
+            verified = VERIFY_DIGEST(rx, plan, prepared)
+        flush_in_background(rx.store, verified.checkpoint)  # READY now; its pages reach the disk meanwhile
+        lock.downgrade()
+        receipt = INSTALL(rx, verified)
+        if rx.params.activate:
+            ACTIVATE(rx, receipt)
+    return READY
+
+
+@contextmanager
+def fetching_beside(rx: Receiver, plan, baseline, indexes) -> Iterator[Arrivals]:
+    """Fetch buckets in the background while the body applies what arrives.
+
+    On any way out of the body the fetch is cancelled (unless the body
+    finished) and joined: no download outlives this block. A fetch error
+    surfaces only if the body succeeded without it.
+    """
+    arrivals = Arrivals(rx.stop.child())
+    running = FETCH_BUCKETS.start(rx, plan, baseline, indexes, arrivals)
+    finished = False
+    try:
+        yield arrivals
+        finished = True
+    finally:
+        if not finished:
+            arrivals.cancel()
+        running.join()
+        arrivals.detach()
+        arrivals.stop.close()
+    running.result()
+
+
+@contextmanager
+def rolled_back_on_failure(rx: Receiver, indexes) -> Iterator[None]:
+    """If the body fails after the store went UPDATING, put the last verified checkpoint back.
+
+    Runs after ``fetching_beside`` has joined the fetch (it is the outer
+    block). A cached artifact that failed validation is discarded first, so
+    the next run downloads it again. An interrupted run only discards the
+    half-written folder (fast); a failed one also rebuilds a lost base from
+    the cache when it can.
+    """
+    try:
+        yield
+    except BaseException as exc:
+        killpoint("rollback.start")
+        discard_rejected_artifact(rx, indexes, exc)
+        state = rx.store.state()
+        if state is not None and state.status == UPDATING:
+            interrupted = isinstance(exc, (Interrupted, KeyboardInterrupt)) or rx.stop.interrupted
+            outcome = roll_back(rx.store, exc, state.previous, workers=rx.params.apply_workers,
+                                rebuild=not interrupted)
+            rx.ledger.note(f"{'interrupted' if interrupted else 'failed'} after the store changed; {outcome}")
+        raise
+
+
+def run_refit(params: RefitParams, *, installer=None, reporter: PrefectReporter | None = None,
+              stop: StopToken | None = None) -> RefitResult:
+    """Run the runbook, retried as a whole after transient failures, into a ``RefitResult`` (never raises for a
+    run's failure).
+
+    An attempt that failed for a transient reason (the object store down or
+    throttling longer than its request retries) is retried after
+    ``retry_delay_s`` (doubled each time), up to ``retries`` times; each
+    attempt starts only after the previous one released everything, and
+    recovers the store as any run does. Poison, an interrupt and permanent
+    errors (bad input, wrong base, a missing object) are never retried.
+    ``installer`` defaults to the one ``params.installer`` names. A
+    ``KeyboardInterrupt`` (a second Ctrl-C) is reported too, then re-raised.
+    """
+    installer = installer or make_installer(params.installer)
+    stop = stop or current_stop.get()
+    waiting = stop.child()
+    attempts: list[dict] = []
+    try:
+        for attempt in range(1, params.retries + 2):
+            started = time.monotonic()
+            result = run_attempt(params, installer, reporter, stop, attempt)
+            attempts.append({"attempt": attempt, "status": result.status, "error": result.error,
+                             "seconds": round(time.monotonic() - started, 3)})
+            if not retryable_run(result) or attempt > params.retries:
+                break
+            delay = params.retry_delay_s * 2 ** (attempt - 1)
+            log.warning("refit of %s to %s failed on a transient error (attempt %d of %d); retrying the whole run "
+                        "in %.0fs: %s", params.model, params.target, attempt, params.retries + 1, delay, result.error)
+            if waiting.wait(delay):
+                result.status, result.next_step = INTERRUPTED, next_step_after_interrupt(params)
+                break
+    finally:
+        waiting.close()
+    result.attempts = attempts
+    result.notes = [f"attempt {a['attempt']} failed ({a['error']}); retried the whole run"
+                    for a in attempts[:-1]] + result.notes
+    report_node(params, result)
+    remember(result)
+    if reporter is not None:
+        reporter.publish_result(result)
+    return result
+
+
+NODE_EVENT = "canonical-refit.node.{status}"
+
+
+def report_node(params: RefitParams, result: RefitResult) -> None:
+    """Tell the fleet how this run ended: this node's status record beside the catalog, and an event.
+
+    Best effort: a node whose record cannot be written still did (or did not
+    do) its refit; the run's own outcome is what counts, so this never fails it.
+    """
+    try:
+        store = LocalStore(params.cache_dir, params.model, create=False)
+        active = store.active() if store.exists else None
+    except RefitError:
+        active = None
+    stages = {s["name"]: s["seconds"] for s in result.stages}
+    fetched = next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0)
+    record = NodeRecord(node=params.node, model=params.model, version=active.version if active else None,
+                        digest=active.digest if active else None, status=result.status, target=params.target,
+                        error=result.error, stages=stages, bytes_fetched=fetched,
+                        attempts=max(1, len(result.attempts)), updated_at_unix_ms=int(time.time() * 1000))
+    try:
+        write_node_record(ObjectStore(params.storage), params.catalog, record)
+    except RefitError as exc:
+        log.warning("could not write the status record of node %s: %s", params.node, exc)
+    if in_flow_run() or configured_api_url():
+        try:
+            from prefect.events import emit_event
+
+            emit_event(event=NODE_EVENT.format(status=result.status.lower()),
+                       resource={"prefect.resource.id": f"canonical-refit.node.{params.model}.{params.node}",
+                                 "prefect.resource.name": params.node},
+                       payload=record.to_json())
+        except Exception as exc:  # events are a view of the outcome, never part of it
+            log.warning("could not emit the node event of %s: %s", params.node, exc)
+
+
+def retryable_run(result: RefitResult) -> bool:
+    """A failed run is retried only for a transient error (never poisoned, interrupted or bad input)."""
+    error = result.exception
+    return result.status == FAILED and isinstance(error, RefitError) and error.transient
+
+
+def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None, stop: StopToken | None,
+                attempt: int) -> RefitResult:
+    """One attempt of the runbook, start to end, with everything it held released."""
+    rx = Receiver(params, installer=installer, progress=reporter.progress if reporter else None, stop=stop)
+    rx.attempt = attempt
+    error: BaseException | None = None
+    try:
+        status = runbook(rx)
+    except BaseException as exc:  # every way a run ends gets a typed, reported result
+        error = exc
+        status = outcome_of(rx, exc)
+    finally:
+        rx.close()
+    activated = rx.params.activate and status == READY
+    result = build_result(rx, status, error, activated=activated, target=params.target,
+                          next_step=next_step(rx, status, error))
+    result.exception = error
+    if reporter is not None:
+        reporter.publish_attempt(rx, result)
+    if isinstance(error, KeyboardInterrupt):
+        remember(result)
+        raise error
+    return result
+
+
+def outcome_of(rx: Receiver, error: BaseException) -> str:
+    """The status a failed run ends in."""
+    try:
+        poisoned = rx.store.exists and rx.store.poisoned() is not None
+    except RefitError:  # a malformed poisoned.json: the receiver must be treated as poisoned
+        poisoned = True
+    if poisoned and not isinstance(error, Interrupted):
+        return POISONED
+    if isinstance(error, (Interrupted, KeyboardInterrupt)) or rx.stop.interrupted:
+        return INTERRUPTED
+    return FAILED
+
+
+def next_step(rx: Receiver, status: str, error: BaseException | None) -> str | None:
+    """What the operator does next, as a command that works as printed."""
+    params = rx.params
+    if status == POISONED:
+        return f"{recover_command(params)}  (re-installs through the installer the node was poisoned with)"
+    if status == INTERRUPTED:
+        return next_step_after_interrupt(params)
+    if status == READY and not rx.params.activate:
+        current = rx.store.current()
+        return (f"python -m flows.refit activate --model {params.model} --cache-dir {params.cache_dir} "
+                f"--version {current.version if current else params.target}")
+    if status == FAILED and error is not None:
+        local = getattr(error, "local_file", None)
+        if isinstance(error, RefitError) and getattr(error, "discarded", False):
+            return (f"the local copy {local} was discarded and is downloaded again by the next run; if the "
+                    "published object itself is wrong, restore it (or publish a corrected revision), then run "
+                    f"the refit again: {refit_command(params)}")
+        return f"fix the cause above, then run the refit again: {refit_command(params)}"
+    return None
+
+
+def next_step_after_interrupt(params: RefitParams) -> str:
+    return f"run the refit again; the store recovers by itself: {refit_command(params)}"
+
+
+def refit_command(params: RefitParams) -> str:
+    """The CLI command that repeats this refit."""
+    parts = ["python -m flows.refit", f"--catalog {params.catalog}", f"--model {params.model}",
+             f"--cache-dir {params.cache_dir}", f"--target {params.target}"]
+    if params.seed_checkpoint:
+        parts.append(f"--seed-checkpoint {params.seed_checkpoint}")
+    return " ".join(parts)
 
 
 @flow(name="refit", flow_run_name="refit {params.model} to {params.target}", validate_parameters=True)
 def refit(params: RefitParams) -> State:
     """Resolve, seed, fetch, apply, verify, install and activate one target revision."""
-    reporter = PrefectReporter(params.model)
-    rx = Receiver(params, installer=make_installer(params.installer), progress=reporter.progress)
-    try:
-        with rx.preparation() as lock:
-            plan = resolve_catalog_task(rx)
-            if plan.superseded_by:
-                return finish(rx, reporter, SKIPPED)
-            baseline = seed_checkpoint_task(rx, plan)
-            indexes = fetch_index_task(rx, plan, baseline)
-            arrivals = rx.arrivals()  # fetch and apply overlap: a bucket is applied once it has arrived
-            fetching = fetch_buckets_task.submit(rx, plan, baseline, indexes, arrivals)
-            prepared = apply_deltas_task(rx, plan, baseline, indexes, arrivals)
-            fetching.result()
-            verified = verify_digest_task(rx, plan, prepared)
-            lock.downgrade()  # the installation fence: shared from validation to activation
-            receipt = install_task(rx, verified)
-            if params.activate:
-                activate_task(rx, receipt)
-        return finish(rx, reporter, READY)
-    except Exception as exc:  # every failure ends in a typed, reported final state
-        return finish(rx, reporter, POISONED if rx.store.poisoned() else FAILED, exc)
+    with signals_stop_the_run():  # Ctrl-C, SIGTERM and Prefect's cancellation stop the run cooperatively
+        result = run_refit(params, reporter=PrefectReporter(params.model))
+    return final_state(result)
 
 
-def finish(rx: Receiver, reporter: PrefectReporter, status: str, error: BaseException | None = None) -> State:
-    """Publish the run's artifacts and turn its outcome into the flow's final state."""
-    rx.release()
-    result = build_result(rx, status, error, activated=rx.params.activate and status == READY)
-    reporter.publish(rx, result)
-    if status == READY:
+def final_state(result: RefitResult) -> State:
+    """The flow run's final state: Ready, Skipped, Failed, Poisoned or Interrupted, carrying the result."""
+    if result.status == READY:
         return Completed(name="Ready", message=f"{result.version} {result.target_digest}", data=result)
-    if status == SKIPPED:
-        return Completed(name="Skipped", message=rx.ledger.notes[-1] if rx.ledger.notes else "", data=result)
-    if not isinstance(error, RefitError):
-        wrapped = RefitError(f"unexpected {type(error).__name__}: {error}")
-        wrapped.__cause__, error = error, wrapped
+    if result.status == SKIPPED:
+        return Completed(name="Skipped", message=result.notes[-1] if result.notes else "", data=result)
+    if result.status == INTERRUPTED:
+        return Cancelled(name="Interrupted", message=result.error or "interrupted", data=_carrier(result))
+    return Failed(name="Poisoned" if result.status == POISONED else "Failed", message=result.error or "",
+                  data=_carrier(result))
+
+
+def _carrier(result: RefitResult) -> RefitError:
+    """Failed states carry an exception (a plain call of the flow raises it), with the result attached."""
+    error = RefitError(result.error or result.status)
     error.result = result
-    return Failed(name="Poisoned" if status == POISONED else "Failed", message=str(error), data=error)
+    return error
 
 
 if __name__ == "__main__":
-    from flows.cli import main
+    from flows.cli import exit_with, main
 
-    raise SystemExit(main(refit_flow=refit))
+    exit_with(main())

@@ -6,12 +6,14 @@ import logging
 import re
 from dataclasses import asdict, dataclass, field
 
-from storage.errors import RefitError
+from storage.errors import RefitError, StoreError
 from tasks.receiver import Receiver
 
 log = logging.getLogger("canonical_refit.report")
 
-READY, FAILED, POISONED, SKIPPED = "READY", "FAILED", "POISONED", "SKIPPED"
+READY, FAILED, POISONED, SKIPPED, INTERRUPTED = "READY", "FAILED", "POISONED", "SKIPPED", "INTERRUPTED"
+EXIT_CODES = {READY: 0, SKIPPED: 0, FAILED: 1, POISONED: 3, INTERRUPTED: 130}
+EXIT_USAGE = 2
 _PROGRESS_SPANS = {"seed": (0, 5), "seed verify": (5, 10), "fetch": (10, 50), "apply": (50, 90), "verify": (90, 99)}
 
 
@@ -36,21 +38,33 @@ class RefitResult:
     lineage: list[str] = field(default_factory=list)
     activated: bool = False
     notes: list[str] = field(default_factory=list)
+    target: str | None = None
+    installed_version: str | None = None
+    next_step: str | None = None
+    attempts: list[dict] = field(default_factory=list)  # every attempt of the run: status, error, seconds
+
+    exception = None  # the error object itself, for Python callers (not part of the JSON)
 
     def to_json(self) -> dict:
         return asdict(self)
 
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES.get(self.status, 1)
 
-def build_result(rx: Receiver, status: str, error: BaseException | None = None, *, activated=False) -> RefitResult:
+
+def build_result(rx: Receiver, status: str, error: BaseException | None = None, *, activated=False,
+                 target: str | None = None, next_step: str | None = None) -> RefitResult:
     """Result of the run from the store's own records.
 
-    On success it names the installed identity (or the prepared one when
-    activation was deferred); on failure, what is still installed.
+    ``version`` is what the run leaves behind: on success the installed
+    identity (or the prepared one when activation was deferred); otherwise
+    ``version`` is None and ``installed_version`` says what still runs.
     """
-    active, current = rx.store.active(), rx.store.current()
+    active, current = _readable(rx.store.active), _readable(rx.store.current)
     if status == READY and not activated and current is not None:
         identity = (current.version, current.target_digest, current.format_digest)
-    elif active is not None:
+    elif status in (READY, SKIPPED) and active is not None:
         identity = (active.version, active.digest, active.format_digest)
     else:
         identity = (None, None, None)
@@ -64,7 +78,68 @@ def build_result(rx: Receiver, status: str, error: BaseException | None = None, 
         error_detail=error.to_dict() if isinstance(error, RefitError) else (
             {"type": type(error).__name__, "message": str(error)} if error is not None else None),
         lineage=list(rx.ledger.lineage), activated=activated, notes=list(rx.ledger.notes),
+        target=target, installed_version=active.version if active is not None else None, next_step=next_step,
     )
+
+
+_LAST: list[RefitResult] = []
+
+
+def remember(result: RefitResult) -> None:
+    """Keep the latest result of this process: a CLI prints it even if reporting to the API failed after."""
+    _LAST[:] = [result]
+
+
+def forget_last() -> None:
+    _LAST.clear()
+
+
+def last_result() -> RefitResult | None:
+    return _LAST[0] if _LAST else None
+
+
+def result_of(state) -> RefitResult:
+    """The RefitResult a final state carries (failed states carry it on their error)."""
+    value = state.result(raise_on_failure=False)
+    value = getattr(value, "result", value)
+    if isinstance(value, RefitResult):
+        return value
+    return RefitResult(FAILED, None, None, None, None, error=f"{state.name}: {state.message}")
+
+
+def print_result(result: RefitResult) -> None:
+    """Human-readable stage table, outcome and what to do next."""
+    if result.stages:
+        print(f"{'stage':<16}{'status':<8}{'seconds':>9}{'bytes':>15}{'MB/s':>9}{'retries':>8}")
+    for s in result.stages:
+        rate = s["bytes"] / s["seconds"] / 1e6 if s["seconds"] else 0.0
+        print(f"{s['name']:<16}{s['status']:<8}{s['seconds']:>9.3f}{s['bytes']:>15,}{rate:>9.1f}{s['retries']:>8}")
+    print(f"status: {result.status}")
+    if result.status in (READY, SKIPPED):
+        label = "prepared (not yet active)" if result.status == READY and not result.activated else "version"
+        print(f"{label}: {result.version}")
+        print(f"target digest: {result.target_digest}")
+        print(f"format digest: {result.format_digest}")
+    else:
+        print(f"installed version (unchanged): {result.installed_version}")
+    if result.checkpoint_path:
+        print(f"checkpoint: {result.checkpoint_path}")
+    if result.lineage:
+        print(f"lineage: {' -> '.join(result.lineage)}")
+    if result.status == SKIPPED and result.notes:
+        print(f"skipped: {result.notes[-1]}")
+    if result.error:
+        print(f"error: {result.error}")
+    if result.next_step:
+        print(f"next: {result.next_step}")
+
+
+def _readable(read):
+    """A store record for the report, or None if it cannot be read (the error is the run's to report)."""
+    try:
+        return read()
+    except StoreError:
+        return None
 
 
 def summary_markdown(rx: Receiver, result: RefitResult) -> str:
@@ -74,7 +149,7 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
              f"- catalog: `{rx.catalog.url}`", f"- target: `{params.target}`",
              f"- lineage replayed: {' -> '.join(f'`{v}`' for v in result.lineage) or 'none'}",
              f"- store: `{rx.store.root}`"]
-    active = rx.store.active()
+    active = _readable(rx.store.active)
     if active is not None:
         lines += [f"- installed: `{active.version}` `{active.digest}` via `{active.installer}`"]
     if result.error_detail:
@@ -85,12 +160,15 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
                   f"- revision: `{d.get('revision')}`", f"- file: `{d.get('file')}`",
                   f"- tensor: `{d.get('tensor')}`"] + ([f"- field: `{d['field']}`"] if d.get("field") else [])
         if result.status == POISONED:
-            lines += ["", "**The receiver is poisoned**: the engine may hold partially written weights. "
-                      "Installs are refused until `python -m flows.refit recover --catalog ... --model ...` "
-                      "re-installs a verified checkpoint."]
+            lines += ["", "**The receiver is poisoned**: the engine may hold partially written weights; installs "
+                      "are refused until a recovery re-installs a verified checkpoint through the same installer."]
         else:
-            lines += ["", "The installed version and the last verified checkpoint are unchanged; "
-                      "fix or republish the revision and run the refit again."]
+            lines += ["", "The installed version and the last verified checkpoint are unchanged."]
+    if result.next_step:
+        lines += ["", f"**Next:** `{result.next_step}`"]
+    if len(result.attempts) > 1:
+        lines += ["", "## Attempts", "", "| attempt | status | seconds | error |", "|---|---|---|---|"]
+        lines += [f"| {a['attempt']} | {a['status']} | {a['seconds']} | {a['error'] or ''} |" for a in result.attempts]
     if result.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in result.notes]
     lines += ["", "## Stages", "", "| stage | status | seconds | bytes | MB/s | attempts | retries | backoff s |",
@@ -131,7 +209,14 @@ class PrefectReporter:
         except Exception as exc:
             log.debug("progress artifact update failed: %s", exc)
 
-    def publish(self, rx: Receiver, result: RefitResult) -> None:
+    def publish_attempt(self, rx: Receiver, result: RefitResult) -> None:
+        """Keep the attempt that just ended; the run's artifacts describe the last one."""
+        self._last = rx
+
+    def publish_result(self, result: RefitResult) -> None:
+        rx = getattr(self, "_last", None)
+        if rx is None:
+            return
         try:
             from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 
@@ -144,3 +229,23 @@ class PrefectReporter:
                 update_progress_artifact(self._progress_id, progress=100.0)  # a failed run stays where it stopped
         except Exception as exc:
             log.warning("could not publish the run's artifacts: %s", exc)
+
+
+class _ShortRefitErrors(logging.Filter):
+    """Prefect logs a failing task's exception with its traceback; ours are expected and self-explaining."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from storage.errors import RefitError
+
+        if record.exc_info and isinstance(record.exc_info[1], RefitError):
+            record.msg = f"{record.getMessage()} {record.exc_info[1]}"
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_expected_errors() -> None:
+    """Expected errors print one line, not a traceback (Prefect logs a failing task's traceback)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addFilter(_ShortRefitErrors())

@@ -109,3 +109,52 @@ def train_step(tensors: dict[str, np.ndarray], seed: int, *, fraction: float = 1
             step *= rng.random(values.shape, dtype=np.float32) < fraction
         out[name] = to_bf16(values + step)
     return out
+
+
+class RLTrainer:
+    """An optimizer step on bf16 weights kept in fp32 master copies, calibrated to a share of changed elements.
+
+    RL post-training updates are tiny: most of each step vanishes when the
+    fp32 master weights are rounded to the published bf16. Each step moves
+    every master weight by ``share`` of its bf16 ulp, in a random direction,
+    so the bf16 export changes where the rounding flips — ``share`` of the
+    elements, each by one ulp — which is what measured RL runs publish
+    (1–3 % of bf16 elements per step). ``share=None`` is the dense case: a
+    step of ``dense_lr`` relative to each weight (about 40 % of elements change).
+    """
+
+    def __init__(self, tensors: dict[str, np.ndarray], seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.master = {}
+        for name, bits in tensors.items():  # fp32 masters lie anywhere inside their bf16 rounding interval
+            values = from_bf16(bits).copy()
+            offset = self.rng.random(values.shape, dtype=np.float32) - np.float32(0.5)
+            self.master[name] = values + bf16_ulp(values) * np.float32(0.999) * offset
+
+    def step(self, share: float | None = 0.02, *, dense_lr: float = 1e-2) -> dict[str, np.ndarray]:
+        """Advance one step and return the bf16 export ``{name: uint16 array}``."""
+        out = {}
+        for name, values in self.master.items():
+            if share is None:
+                values += self.rng.standard_normal(values.shape, dtype=np.float32) * dense_lr * (np.abs(values)
+                                                                                                 + 1e-3)
+            else:
+                values += bf16_ulp(values) * np.float32(share) * self.rng.choice(
+                    np.array([-1, 1], dtype=np.float32), size=values.shape)
+            out[name] = to_bf16(values)
+        return out
+
+    def export(self) -> dict[str, np.ndarray]:
+        return {name: to_bf16(values) for name, values in self.master.items()}
+
+
+def bf16_ulp(values: np.ndarray) -> np.ndarray:
+    """The spacing of bf16 numbers at each value (float32)."""
+    exponent = ((values.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(np.int32)
+    return np.ldexp(np.float32(1.0), np.maximum(exponent, 1) - 127 - 7).astype(np.float32)
+
+
+def changed_share(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> float:
+    """Share of elements whose bits differ between two bf16 exports."""
+    changed = sum(int(np.count_nonzero(before[n] != after[n])) for n in before)
+    return changed / max(1, sum(a.size for a in before.values()))

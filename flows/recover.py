@@ -1,0 +1,130 @@
+"""Recovery of a poisoned node: re-install a verified checkpoint through the installer it was poisoned with.
+
+``python -m flows.refit recover --model M --cache-dir D`` repairs the store
+(as every run does) and, if the node is poisoned, re-installs the last
+verified checkpoint through the installer and engines recorded in
+``poisoned.json``, and clears the mark only once that install succeeded and
+was activated. On a healthy node it repairs and says there was nothing to
+re-install. Asking for a different installer than the recorded one is
+refused unless ``override_installer`` says so explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prefect import flow
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from storage.errors import InstallError, StoreError
+from storage.local_store import LocalStore
+from storage.settings import DEFAULT_CACHE_DIR, MODEL_PATTERN, InstallerSettings
+from tasks.install import install_checkpoint
+from tasks.installers import make_installer
+from tasks.verify_digest import VerifiedTarget
+
+
+class RecoverParams(BaseSettings):
+    """Parameters of a recovery (env prefix ``CANONICAL_REFIT_``, like a refit's)."""
+
+    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
+
+    model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
+    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
+    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
+    installer: InstallerSettings | None = Field(
+        None, description="installer to re-install through (default: the one recorded when the node was poisoned)")
+    override_installer: bool = Field(
+        False, description="re-install through `installer` even though the node was poisoned through another")
+
+
+@dataclass
+class RecoverResult:
+    """What a recovery did, as ``recover --json`` prints it."""
+
+    status: str  # READY, FAILED or POISONED
+    version: str | None
+    installer: str | None = None
+    detail: str = ""
+    repairs: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @property
+    def exit_code(self) -> int:
+        return {"READY": 0, "POISONED": 3}.get(self.status, 1)
+
+
+def choose_installer(mark, params: RecoverParams, installer=None):
+    """The installer to recover through: the recorded one, unless an override was asked for explicitly."""
+    if installer is not None:
+        given, urls = installer.name, tuple(getattr(installer, "engine_urls", ()) or ())
+    elif params.installer is not None:
+        given, urls = params.installer.kind, tuple(params.installer.engine_urls)
+    else:
+        given, urls = None, ()
+    recorded = (mark.installer, tuple(mark.engine_urls))
+    if given is not None and (given, urls) != recorded and not params.override_installer:
+        raise InstallError(
+            f"the node was poisoned through installer {mark.installer!r} with engines {list(mark.engine_urls)}; "
+            f"recovery re-installs through it. You asked for {given!r} with {list(urls)}: leave out --installer "
+            "and --engine-url to use the recorded one, or add --override-installer if the engines really moved",
+            revision=mark.version, field="installer")
+    if installer is not None:
+        return installer
+    if params.installer is not None:
+        return make_installer(params.installer)
+    if mark.installer not in ("none", "sglang", "sglang-disk"):
+        raise InstallError(f"the node was poisoned through installer {mark.installer!r}, which cannot be rebuilt "
+                           "from the command line; pass --installer and --engine-url with --override-installer",
+                           revision=mark.version, field="installer")
+    return make_installer(InstallerSettings(kind=mark.installer, engine_urls=list(mark.engine_urls)))
+
+
+def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
+    """Repair the store; if poisoned, re-install and activate a verified checkpoint, then clear the mark."""
+    store = LocalStore(params.cache_dir, params.model, create=False)
+    if not store.exists:
+        return RecoverResult("FAILED", None, error=f"no store for {params.model} under {params.cache_dir}: "
+                             "check --model and --cache-dir")
+    try:
+        with store.exclusive(params.lock_timeout_s, "recovery") as lock:
+            repairs = store.recover()
+            mark, active = store.poisoned(), store.active()
+            if mark is None:
+                current = store.current()
+                return RecoverResult(
+                    "READY", active.version if active else None, active.installer if active else None,
+                    detail=(f"not poisoned: nothing to re-install; installed {active.version if active else 'none'}, "
+                            f"prepared {current.version if current else 'none'}"), repairs=repairs)
+            chosen = choose_installer(mark, params, installer)
+            candidates = [store.current()] + ([store.verified(active.version)] if active is not None else [])
+            record = next((c for c in candidates if c is not None), None)
+            if record is None:
+                raise StoreError("no verified checkpoint is left to re-install; run a refit (it rebuilds one and "
+                                 "installs it once recovered), then `recover` again", file=str(store.root))
+            store.point_at(record)
+            lock.downgrade()  # the installation fence
+            receipt = install_checkpoint(store, chosen, VerifiedTarget(record, store.absolute(record.path)),
+                                         recovering=True)
+            store.activate(record.version, receipt.installer)
+    except (InstallError, StoreError) as exc:
+        poisoned = store.poisoned() is not None
+        return RecoverResult("POISONED" if poisoned else "FAILED", None, error=str(exc))
+    return RecoverResult("READY", record.version, receipt.installer,
+                         detail=f"re-installed {record.version} through {receipt.installer} and cleared the "
+                                f"poisoned mark ({receipt.detail})", repairs=repairs)
+
+
+
+@flow(name="recover", flow_run_name="recover {params.model}", validate_parameters=True)
+def recover(params: RecoverParams) -> dict:
+    """Re-install a poisoned node's last verified checkpoint through its recorded installer."""
+    result = run_recover(params)
+    if result.status != "READY":
+        raise InstallError(result.error or result.status)
+    return result.to_json()
