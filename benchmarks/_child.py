@@ -1,8 +1,8 @@
-"""One measured job in a fresh process: ``python -m benchmarks._child SPEC.json OUT.json``.
+"""One measured job in a fresh process: ``python -m benchmarks._child JOB.json OUT.json``.
 
 Modes:
-- ``plain``: the receiver stages without Prefect, composed by
-  ``tests/lab.py::run_plain`` (the tasks' plain functions in the flow's order);
+- ``plain``: the refit runbook without Prefect (``flows.refit.run_refit``, the
+  flow's own body; its stages run as plain functions outside a flow run);
 - ``flow``: the Prefect flow ``flows.refit.refit`` (ephemeral API, or the
   server named by ``PREFECT_API_URL`` in the child's environment);
 - ``baseline``: ``benchmarks._baseline`` on a copy of the base checkpoint.
@@ -18,7 +18,6 @@ peak resident set (``VmHWM``) the job's own.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -62,19 +61,10 @@ def install_metered_receiver():
                 self.meters[name] = delta(after, before)
                 self.spans[name] = [round(before["wall"] - self.origin, 4), round(after["wall"] - self.origin, 4)]
 
-    tasks.receiver.Receiver = MeteredReceiver  # run_plain looks it up here when it is called
+    tasks.receiver.Receiver = MeteredReceiver
     if "flows.refit" in sys.modules:
         sys.modules["flows.refit"].Receiver = MeteredReceiver  # the flow's module-level name
     return MeteredReceiver
-
-
-def _run_plain_function():
-    """``run_plain`` from ``tests/lab.py``: the one place the stages are composed without Prefect."""
-    spec = importlib.util.spec_from_file_location("canonical_refit_lab", ROOT / "tests" / "lab.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module.run_plain
 
 
 def _expected_digest(params, version: str) -> str:
@@ -120,19 +110,15 @@ def _data_plane_s(stages: list[dict]) -> float | None:
     return round(max(e for _, e in spans) - min(b for b, _ in spans), 4) if spans else None
 
 
-def _refit_run(mode: str, params, target: str, metered, run_plain, sampler) -> dict:
+def _refit_run(mode: str, params, target: str, metered, sampler) -> dict:
+    from flows.refit import refit, run_refit
+    from flows.report import result_of
+
     metered.origin = time.perf_counter()
     before = counters()
-    if mode == "flow":
-        from flows.cli import result_of
-        from flows.refit import refit
-
-        state = refit(params, return_state=True)
-        result = result_of(state)
-        if result.status != "READY" or result.version != target:
-            raise SystemExit(f"flow refit to {target} ended {result.status}: {result.error}")
-    else:
-        run_plain(params)
+    result = result_of(refit(params, return_state=True)) if mode == "flow" else run_refit(params)
+    if result.status != "READY" or result.version != target:
+        raise SystemExit(f"{mode} refit to {target} ended {result.status}: {result.error}")
     totals = delta(counters(), before)
     rx = metered.last
     active = rx.store.active()
@@ -157,11 +143,10 @@ def main(argv: list[str]) -> int:
     mode = spec["mode"]
     _throttle.configure(spec.get("throttle_bytes_per_s") or 0)
     t0 = time.perf_counter()
-    run_plain = metered = None
+    metered = None
     if mode in ("flow", "plain"):
         import flows.refit  # noqa: F401  (every stage and Prefect, imported before anything is timed)
 
-        run_plain = _run_plain_function()
         metered = install_metered_receiver()
     else:
         import benchmarks._baseline  # noqa: F401
@@ -186,7 +171,7 @@ def main(argv: list[str]) -> int:
             else:
                 overrides = {"target": run["target"]} | ({"catalog": run["catalog"]} if run.get("catalog") else {})
                 out = _refit_run(mode, RefitParams(**(spec["params"] | overrides)), run["target"], metered,
-                                 run_plain, sampler)
+                                 sampler)
             out["restore_s"] = round(restore_s, 3)
             out["label"] = run.get("label", run["target"])
             runs.append(out)

@@ -53,7 +53,7 @@ class Jobs:
 
     def plain(self, name: str, targets: list[str], *, restore: bool, catalog: str | None = None,
               throttle: float = 0) -> dict:
-        """Refits without Prefect (``tests/lab.py::run_plain``), one after the other in one process."""
+        """Refits without Prefect (``flows.refit.run_refit``, the flow's body), one after the other in one process."""
         runs = [{"target": t, "restore": restore and i == 0, "catalog": catalog} for i, t in enumerate(targets)]
         return self.child(name, {"mode": "plain", "params": self.params(), "runs": runs,
                                  "throttle_bytes_per_s": throttle})

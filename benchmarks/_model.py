@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +19,11 @@ from typing import Callable
 
 import numpy as np
 
+from flows.publish import run_publish
 from flows.synthetic import ModelShape, random_model, train_step, write_checkpoint
 from storage.catalog import Catalog, Revision
 from storage.objects import ObjectStore
-from storage.urls import join_url, normalize_url
+from storage.urls import normalize_url
 from storage.settings import PublishParams
 
 MODEL = "bench/transformer"
@@ -130,29 +130,6 @@ class Workspace:
                           "layers": s.layers, "shards": s.shards}}
 
 
-def publish_plain(params: PublishParams, staging_root: Path):
-    """The publish flow's tasks called through their plain functions, in the flow's order.
-
-    Returns the catalog record and the staged payload (None for the launch revision).
-    """
-    from flows.publish import PAYLOAD_FORMATS, encode_payload, payload_root, plan_revision, upload, write_record
-    from storage.publisher import make_record
-
-    objects = ObjectStore(params.storage)
-    catalog = Catalog(objects, params.catalog, params.model)
-    objects.ensure_conditional_writes(catalog.url, allow_unconditional=params.allow_unconditional_writes)
-    plan = plan_revision.fn(params, catalog)
-    url = join_url(payload_root(params, catalog), plan.version)
-    with tempfile.TemporaryDirectory(prefix="publish-", dir=staging_root) as tmp:
-        payload, snap = encode_payload.fn(params, plan, Path(tmp) / plan.version)
-        uri = join_url(url, payload.index_name) if payload else None
-        record = make_record(params.model, plan.version, plan.sequence, PAYLOAD_FORMATS[params.kind],
-                             snap.checksum_format, snap.format_digest, snap.target_digest, base=plan.base, uri=uri)
-        upload.fn(params, objects, payload, url)
-        write_record.fn(catalog, record)
-    return record, payload
-
-
 def _changed_fraction(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> float:
     changed = sum(int(np.count_nonzero(before[n] != after[n])) for n in before)
     return changed / max(1, sum(a.size for a in before.values()))
@@ -177,7 +154,7 @@ def build(root: Path, *, size_bytes: int, deltas: int, fraction: float, lr: floa
     ws.tensor_count = len(current)
     ws.largest_tensor_bytes = max(a.nbytes for a in current.values())
     ws.checkpoint_file_bytes = sum(p.stat().st_size for p in ws.launch.glob("*.safetensors"))
-    publish_plain(PublishParams(checkpoint=ws.launch, kind="initial", version="r0", **common), ws.scratch)
+    run_publish(PublishParams(checkpoint=ws.launch, kind="initial", version="r0", **common))
     log(f"model: {ws.tensor_count} tensors, {ws.model_bytes / 1e6:.1f} MB bf16, largest tensor "
         f"{ws.largest_tensor_bytes / 1e6:.1f} MB, {ws.shape.shards} shards ({time.perf_counter() - started:.1f}s)")
     base = ws.launch
@@ -187,15 +164,14 @@ def build(root: Path, *, size_bytes: int, deltas: int, fraction: float, lr: floa
         folder = ws.trainer / version
         write_checkpoint(folder, nxt, shards=ws.shape.shards)
         t0 = time.perf_counter()
-        record, payload = publish_plain(PublishParams(checkpoint=folder, kind="delta", version=version,
-                                                      base_version=f"r{k - 1}", base_checkpoint=base, **common),
-                                        ws.scratch)
+        published = run_publish(PublishParams(checkpoint=folder, kind="delta", version=version,
+                                              base_version=f"r{k - 1}", base_checkpoint=base, **common))
         seconds = time.perf_counter() - t0
-        buckets = [ws.delta_folder(version) / name for name in payload.files]
+        buckets = sorted(ws.delta_folder(version).glob("*.safetensors"))
         info = RevisionInfo(
-            version=version, base_version=record.base_version, changed_tensors=len(payload.changed),
-            decoded_bytes=payload.decoded_bytes, encoded_bytes=payload.encoded_bytes,
-            compression_ratio=round(payload.compression_ratio, 3),
+            version=version, base_version=f"r{k - 1}", changed_tensors=published.changed_tensors,
+            decoded_bytes=published.decoded_bytes, encoded_bytes=published.encoded_bytes,
+            compression_ratio=published.compression_ratio,
             changed_element_fraction=round(_changed_fraction(current, nxt), 4), buckets=len(buckets),
             largest_bucket_bytes=max((p.stat().st_size for p in buckets), default=0), publish_s=round(seconds, 3),
         )

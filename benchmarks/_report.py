@@ -1,4 +1,4 @@
-"""What the refit benchmark concludes: derived figures, the issue's targets, a table and a plot."""
+"""What the refit benchmark concludes: derived figures, the targets, a table and a plot."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def stage_bytes(run: dict | None, *names: str) -> int:
 
 
 def memory(job: dict, largest_bucket: int) -> dict:
-    """Peak memory of a refit process against the issue's bound (300 MB plus the largest bucket)."""
+    """Peak memory of a refit process against its bound (300 MB plus the largest bucket)."""
     return {"max_rss_bytes": job["max_rss_bytes"], "peak_anon_bytes": job["peak_anon_bytes"],
             "peak_file_bytes": job["peak_file_bytes"], "ru_maxrss_bytes": job["ru_maxrss_bytes"],
             "largest_bucket_bytes": largest_bucket, "bound_bytes": 300_000_000 + largest_bucket,
@@ -94,7 +94,7 @@ def overlap(r: dict, bandwidth_mb_s: float) -> dict | None:
     if _flow_throttled(r):
         candidates.append(_flow_throttled(r))
     if r["refits"].get("throttled"):
-        candidates.append(("plain stages (tests/lab.py run_plain)", r["refits"]["throttled"]["runs"][0]))
+        candidates.append(("refit runbook without Prefect", r["refits"]["throttled"]["runs"][0]))
     for name, run in candidates:
         out["runs"][name] = {"data_plane_s": run["data_plane_s"], "wall_s": run["wall_s"],
                              "over_max": round(run["data_plane_s"] / longest, 3),
@@ -127,7 +127,7 @@ def _target(name: str, measured, bound, direction: str, unit: str, note: str = "
 
 
 def targets(r: dict) -> list[dict]:
-    """Each target of issue 8 as measured / bound (a >= target is met at ratio >= 1, a <= target at <= 1)."""
+    """Each target as measured / bound (a >= target is met at ratio >= 1, a <= target at <= 1)."""
     out = []
     sweep = r.get("apply_threads") or []
     top = max(sweep, key=lambda row: row["threads"]) if sweep else None

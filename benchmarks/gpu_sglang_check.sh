@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-GPU check of both SGLang installers (issue 7), against a live SGLang 0.5.23 server.
+# Real-GPU check of both SGLang installers, against a live SGLang 0.5.23 server.
 #
 # Needs an NVIDIA GPU. Installs sglang into a fresh venv (about 11 GB, 6-7 minutes, needs the
 # package registry), unless SGLANG_PYTHON names a Python that already has sglang and this project
@@ -36,7 +36,7 @@ if [ -z "$PY" ]; then
   "$PY" -m pip install -q --upgrade pip
   "$PY" -m pip install -q "sglang==$SGLANG_VERSION" -e "$ROOT"
 fi
-"$PY" -c "import sglang, flows.sglang_loader; print('sglang', sglang.__version__)" >&2
+"$PY" -c "import sglang, tasks.installers.sglang_loader; print('sglang', sglang.__version__)" >&2
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >&2
 
 log "writing the launch snapshot and two trained revisions"
@@ -79,7 +79,7 @@ done
 log "launching SGLang on $URL"
 "$PY" -m sglang.launch_server --model-path "$WORK/launch" --host 127.0.0.1 --port "$PORT" --dtype bfloat16 \
   --skip-tokenizer-init --mem-fraction-static 0.3 --cuda-graph-max-bs 4 \
-  --custom-weight-loader flows.sglang_loader.load_prepared_checkpoint >"$RESULTS/sglang_server.log" 2>&1 &
+  --custom-weight-loader tasks.installers.sglang_loader.load_prepared_checkpoint >"$RESULTS/sglang_server.log" 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true; wait $SERVER 2>/dev/null || true' EXIT
 for _ in $(seq 1 240); do

@@ -1,4 +1,4 @@
-"""Refit benchmark: where the receiver stands against the machine's own ceilings (issue 8).
+"""Refit benchmark: where the receiver stands against the machine's own ceilings.
 
     python -m benchmarks.refit                      # ~1 GB model, everything
     python -m benchmarks.refit --size-mb 64 --prefect none
@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--fraction", type=float, default=1.0,
         help="share of elements an optimizer step perturbs (flows.synthetic.train_step)")
     add("--lr", type=float, default=3e-3,
-        help="relative step size; 3e-3 gives bf16 XOR deltas compressing about 4.5x, like issue 8's")
+        help="relative step size; 3e-3 gives bf16 XOR deltas compressing about 4.5x, the dense case")
     add("--catch-up", type=int, default=5, metavar="K", help="deltas folded in the catch-up refit")
     add("--bucket-mib", type=int, default=256, help="decoded MiB per delta bucket (publisher)")
     add("--zstd-level", type=int, default=3, help="zstd level of the published frames")
