@@ -135,6 +135,7 @@ class HostileWorld:
 
     def refit(self, version: str, *, name: str | None = None) -> Outcome:
         """Refit a fresh copy of the r1 store to ``version`` in this process, measuring peak memory."""
+        from flows.refit import run_refit
         from storage.errors import RefitError
         from storage.settings import RefitParams
 
@@ -152,9 +153,9 @@ class HostileWorld:
         error = None
         tracemalloc.start()
         try:
-            cs.refit_plain(params, engine)
-        except RefitError as exc:
-            error = exc
+            result = run_refit(params, installer=engine)
+            error = result.exception
+            assert error is None or isinstance(error, RefitError), f"untyped error: {error!r}"
         finally:
             _, peak = tracemalloc.get_traced_memory()
             tracemalloc.stop()

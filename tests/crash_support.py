@@ -1,14 +1,14 @@
 """Refit children to kill, a stand-in engine, and the invariants a store must keep across crashes.
 
-The children run the receiver's eight plain stage functions in the order of
-``flows/refit.py`` (``refit_plain``), without Prefect, so a trial costs a
-fork instead of a Prefect start-up. They are forked from a ``forkserver``
+The children run the product's own runbook (``flows.refit.run_refit``, the
+body of the refit flow); outside a flow run its stages run as plain
+functions, so a trial costs a fork instead of a Prefect start-up. They are forked from a ``forkserver``
 that imported the pipeline once; each child re-reads the kill-point
 environment (``storage.killpoints`` is reloaded in the child, so the
 functions the stages already hold see the new settings).
 
 The engine is a stand-in (``RecordingEngine``): at every install it hashes
-the checkpoint it was given with an implementation written from SPEC
+the checkpoint it was given with an implementation written from docs/format.md
 section 3 alone, so a test can prove no unverified byte was ever installed.
 Expected bytes come from the ``Lab`` that published them, never from the
 code under test.
@@ -32,8 +32,7 @@ from typing import TYPE_CHECKING
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-PRELOAD = ["crash_support", "tasks.resolve_catalog", "tasks.seed_checkpoint", "tasks.fetch_index",
-           "tasks.fetch_buckets", "tasks.apply_deltas", "tasks.verify_digest", "tasks.install", "tasks.activate"]
+PRELOAD = ["crash_support", "flows.refit"]
 
 
 # --- a filesystem that counts downloads across processes ------------------------------------------
@@ -75,7 +74,7 @@ def downloads(log: Path) -> list[dict]:
     return [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
 
 
-# --- an independent reader (SPEC section 3 only; no project code) ------------------------------------
+# --- an independent reader (docs/format.md, section 3 only; no project code) ------------------------------------
 
 
 def raw_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
@@ -171,55 +170,19 @@ def events(folder: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-# --- the receiver without Prefect ---------------------------------------------------------------------
-
-
-def refit_plain(params, installer):
-    """The refit flow's stage calls (flows/refit.py), as plain functions; returns the active identity.
-
-    As in the flow, fetch buckets runs in its own thread while apply deltas consumes what arrives.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tasks.activate import activate
-    from tasks.apply_deltas import apply_deltas
-    from tasks.fetch_buckets import fetch_buckets
-    from tasks.fetch_index import fetch_index
-    from tasks.install import install
-    from tasks.receiver import Receiver
-    from tasks.resolve_catalog import resolve_catalog
-    from tasks.seed_checkpoint import seed_checkpoint
-    from tasks.verify_digest import verify_digest
-
-    rx = Receiver(params, installer=installer)
-    try:
-        with rx.preparation() as lock:
-            _event(Path(params.cache_dir), "lock.exclusive", params.target)
-            plan = resolve_catalog(rx)
-            if plan.superseded_by:
-                return rx.store.active(), rx
-            baseline = seed_checkpoint(rx, plan)
-            indexes = fetch_index(rx, plan, baseline)
-            arrivals = rx.arrivals()
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                fetching = pool.submit(fetch_buckets, rx, plan, baseline, indexes, arrivals)
-                prepared = apply_deltas(rx, plan, baseline, indexes, arrivals)
-                fetching.result()
-            verified = verify_digest(rx, plan, prepared)
-            lock.downgrade()
-            receipt = install(rx, verified)
-            identity = activate(rx, receipt) if params.activate else None
-            _event(Path(params.cache_dir), "activated", identity.version if identity else None)
-        return identity, rx
-    finally:
-        rx.release()
+# --- the receiver's own runbook, in a child process ------------------------------------------------------
 
 
 def child_refit(job: dict) -> None:
-    """Body of one child process: configure kill points, refit, write a result file."""
+    """Body of one child process: configure kill points, run the product's runbook, write a result file.
+
+    ``flows.refit.run_refit`` is what the flow runs; outside a flow run its
+    stages run as plain functions, so a trial costs a fork, not a Prefect start.
+    """
     for key in [k for k in os.environ if k.startswith("CANONICAL_REFIT_")]:
         del os.environ[key]
     os.environ.update({k: str(v) for k, v in (job.get("env") or {}).items()})
+    os.environ["CANONICAL_REFIT_KILLPOINT_TRACE"] = str(Path(job["cache"]) / "events.log")
     import storage.killpoints
 
     importlib.reload(storage.killpoints)  # same module dict: every bound killpoint() sees the new settings
@@ -228,6 +191,7 @@ def child_refit(job: dict) -> None:
     ours = logging.getLogger("canonical_refit")
     ours.handlers.clear()  # no Prefect API handler outside a flow run: the log file is enough
     ours.propagate = True
+    from flows.refit import run_refit
     from storage.errors import RefitError
     from storage.settings import RefitParams
 
@@ -238,16 +202,21 @@ def child_refit(job: dict) -> None:
     engine = RecordingEngine(Path(job["cache"]) / "engine.json",
                              gate=Path(job["gate"]) if job.get("gate") else None)
     started = time.monotonic()
-    try:
-        identity, rx = refit_plain(params, engine)
-        out = {"status": "READY", "version": identity.version if identity else None,
-               "downloaded": None, "notes": rx.ledger.notes}
-    except RefitError as exc:
-        out = {"status": "FAILED", "error": exc.to_dict()}
-    except Exception as exc:  # an untyped error is a finding: report it, do not hide it
-        out = {"status": "ERROR", "error": {"type": type(exc).__name__, "message": str(exc)}}
+    result = run_refit(params, installer=engine)
+    out = {"status": result.status, "version": result.version, "notes": result.notes, "error": result.error_detail}
+    if result.error_detail and not _is_typed(result.error_detail["type"], RefitError):
+        out["status"] = "ERROR"  # an untyped error is a finding: report it, do not hide it
     out["seconds"] = time.monotonic() - started
     Path(job["result"]).write_text(json.dumps(out))
+
+
+def _is_typed(name: str, base: type) -> bool:
+    def walk(cls):
+        yield cls
+        for sub in cls.__subclasses__():
+            yield from walk(sub)
+
+    return any(cls.__name__ == name for cls in walk(base))
 
 
 # --- running children -------------------------------------------------------------------------------------
@@ -302,6 +271,9 @@ def _identity(folder: Path) -> dict:
 
 def check_after_crash(world: World, cache: Path) -> list[str]:
     """What must hold at any instant, even right after a SIGKILL."""
+    from storage.flush import wait_for_flushes
+
+    wait_for_flushes()  # a refit of this process may still be writing its checkpoint back
     bad = []
     store = Path(cache) / world.lab.model.replace("/", "--")
     engine = RecordingEngine(Path(cache) / "engine.json")

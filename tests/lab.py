@@ -2,7 +2,7 @@
 
 Expected bytes are tracked independently of the code under test: the lab
 keeps every published revision's tensors in memory and computes expected
-digests with a from-scratch implementation of SPEC section 3.
+digests with a from-scratch implementation of docs/format.md, section 3.
 """
 
 from __future__ import annotations
@@ -121,11 +121,17 @@ class Lab:
 
     def refit(self, **kw):
         """Run the refit flow; returns (final state, RefitResult)."""
-        from flows.cli import result_of
         from flows.refit import refit
+        from flows.report import result_of
 
         state = refit(self.refit_params(**kw), return_state=True)
         return state, result_of(state)
+
+    def run(self, installer=None, stop=None, **kw):
+        """Run the refit runbook without Prefect (what the flow runs), with any installer; the RefitResult."""
+        from flows.refit import run_refit
+
+        return run_refit(self.refit_params(**kw), installer=installer, stop=stop)
 
     @property
     def store_root(self) -> Path:
@@ -138,40 +144,3 @@ class Lab:
         assert sorted(got) == sorted(want)
         for name, array in want.items():
             assert got[name].tobytes() == array.tobytes(), name
-
-
-def run_plain(params: RefitParams, installer=None, *, activate: bool = True):
-    """The refit stages called in the flow's order through their tasks' plain functions (``.fn``):
-    measured like the flow, without Prefect, with any installer. Returns the Receiver."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tasks.activate import activate_task
-    from tasks.apply_deltas import apply_deltas_task
-    from tasks.fetch_buckets import fetch_buckets_task
-    from tasks.fetch_index import fetch_index_task
-    from tasks.install import install_task
-    from tasks.installers import NoEngineInstaller
-    from tasks.receiver import Receiver
-    from tasks.resolve_catalog import resolve_catalog_task
-    from tasks.seed_checkpoint import seed_checkpoint_task
-    from tasks.verify_digest import verify_digest_task
-
-    rx = Receiver(params, installer=installer or NoEngineInstaller())
-    try:
-        with rx.preparation() as lock:
-            plan = resolve_catalog_task.fn(rx)
-            baseline = seed_checkpoint_task.fn(rx, plan)
-            indexes = fetch_index_task.fn(rx, plan, baseline)
-            arrivals = rx.arrivals()  # as in the flow: fetch in its own thread, apply what arrives
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                fetching = pool.submit(fetch_buckets_task.fn, rx, plan, baseline, indexes, arrivals)
-                prepared = apply_deltas_task.fn(rx, plan, baseline, indexes, arrivals)
-                fetching.result()
-            verified = verify_digest_task.fn(rx, plan, prepared)
-            lock.downgrade()
-            receipt = install_task.fn(rx, verified)
-            if activate:
-                activate_task.fn(rx, receipt)
-    finally:
-        rx.release()
-    return rx

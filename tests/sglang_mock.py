@@ -1,4 +1,4 @@
-"""A loopback HTTP server that answers like SGLang 0.5.23's weight-update API (../shared/notes/sglang.md).
+"""A loopback HTTP server that answers like SGLang 0.5.23's weight-update API (docs/sglang.md).
 
 Endpoints, request bodies and responses follow the notes:
 
@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from flows.sglang_loader import LOADER_PATH
+from tasks.installers.sglang_loader import LOADER_PATH
 from flows.synthetic import ModelShape
 from sglang_support import DefaultModelLoader, Faults, LoadConfig, TinySGLangLlama, engine_context
 

@@ -1,4 +1,4 @@
-"""Stand-ins for the parts of SGLang 0.5.23 that cannot run here (see ../shared/notes/sglang.md).
+"""Stand-ins for the parts of SGLang 0.5.23 that cannot run here (see docs/sglang.md).
 
 - ``TinySGLangLlama``: a real CPU torch module laid out like SGLang's
   ``LlamaForCausalLM`` (fused ``qkv_proj`` and ``gate_up_proj``), whose
@@ -9,7 +9,7 @@
   ``LoadFormat``, ``DefaultModelLoader`` (``Source``, ``_get_weights_iterator``,
   ``load_weights_and_postprocess``, ``restore_weights_before_loading``) and
   ``get_tensor_model_parallel_rank``, so the real adapter in
-  ``flows.sglang_loader`` runs unchanged against them.
+  ``tasks.installers.sglang_loader`` runs unchanged against them.
 - ``Faults``: failures the mock engine injects before and after mutation.
 """
 

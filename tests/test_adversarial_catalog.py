@@ -3,7 +3,7 @@
 A record is validated before anything else happens: every case must end in
 ``CatalogError`` (or ``LineageError`` for a record that breaks the chain)
 naming the revision, the record file and the field, with the store
-bit-for-bit unchanged. Unknown extra fields are ignored (SPEC section 4).
+bit-for-bit unchanged. Unknown extra fields are ignored (docs/format.md, section 4).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_tiny_benchmark_writes_every_section(tmp_path, capsys):
     assert result["prefect"] == {"ephemeral": None, "server": None}
     names = [t["target"] for t in result["targets"]]
     assert any(n.startswith("apply throughput") for n in names) and any(n.startswith("overlap") for n in names)
-    assert result["overlap"]["runs"]["plain stages (tests/lab.py run_plain)"]["data_plane_s"] > 0
+    assert result["overlap"]["runs"]["refit runbook without Prefect"]["data_plane_s"] > 0
     assert result["disk"]["peak_bytes"] > 0
     # the temporary model and catalog are gone; only the result files stay
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "result.png"]

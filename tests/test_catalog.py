@@ -1,4 +1,4 @@
-"""Catalog records, listing, lineage walks and create-only writes (SPEC sections 4 and 6)."""
+"""Catalog records, listing, lineage walks and create-only writes (docs/format.md, sections 4 and 6)."""
 
 from __future__ import annotations
 

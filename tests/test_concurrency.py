@@ -88,7 +88,7 @@ def test_installation_fence_blocks_preparation_until_activation(world, tmp_path)
         gate.touch()
     assert (a.exitcode, b.exitcode) == (0, 0)
     order = [(e["pid"], e["what"], e["version"]) for e in cs.events(cache)]
-    assert order.index((a.pid, "activated", "r1")) < order.index((b.pid, "lock.exclusive", "r3"))
+    assert order.index((a.pid, "activate.written", "r1")) < order.index((b.pid, "lock.exclusive", "r3"))
     loads = cs.RecordingEngine(cache / "engine.json").loads()
     assert [(x["version"], x["bytes"] == world.expected_digest(x["version"])) for x in loads] == [
         ("r1", True), ("r3", True)]  # r1's bytes were intact while the engine read them

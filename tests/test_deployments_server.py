@@ -94,6 +94,9 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             assert latest.parameters["params"]["target"] == "latest"
 
             # the trainer publishes the launch revision and one delta; each emits the published event
+            wait_until("serve's start-up refit to latest", lambda: refit_runs(client, latest.id), 60,
+                       diagnostics=diagnostics)
+            before_publishing = datetime.now(timezone.utc)
             r0 = publish(env, catalog, MODEL, trainer.folders[0], state_dir, "--kind", "initial")
             assert r0["version"] == "r0"
             assert publish(env, catalog, MODEL, trainer.folders[1], state_dir)["version"] == "r1"
@@ -143,6 +146,22 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             assert stale.state_name == "Skipped"
             assert "not newer than the installed r1" in stale.state.message
             assert LocalStore(cache, MODEL).active().version == "r1"
+
+            # at start-up serve started a refit to latest at once (not an hour later), before anything
+            # was published; it ended Skipped (empty catalog) or Ready, depending on when it ran
+            first = min(refit_runs(client, latest.id), key=lambda r: r.created)
+            assert first.created < before_publishing
+            assert first.state_name in ("Skipped", "Ready"), first.state.message
+
+            # the README's rollback recipe: an ad-hoc run whose parameters carry only catalog, model and
+            # target acts on this node's store (seed, cache and installer come from the node)
+            printed = run([PYTHON, "-m", "deployments.serve", "--print-params", "--catalog", catalog, "--model",
+                           MODEL, "--target", "r0"], env).strip().splitlines()[-1]
+            assert set(json.loads(printed)["params"]) == {"catalog", "model", "target", "only_if_newer"}
+            run([PREFECT, "deployment", "run", "refit/refit-latest", "--params", printed], env)
+            rollback = wait_for_final_run(client, latest.id, "r0", 120, diagnostics)
+            assert rollback.state_name == "Ready", rollback.state.message
+            assert LocalStore(cache, MODEL).active().version == "r0"
 
             # one flow run at a time: no two refits of the model overlapped
             runs = [r for d in (on_publish, latest) for r in refit_runs(client, d.id) if r.start_time]

@@ -23,6 +23,7 @@ import crash_trials as ct
 from storage import durable
 from storage.durable import tree_size
 from storage.errors import StoreError
+from flows.refit import run_refit
 from storage.settings import RefitParams
 
 DISK_BYTES = 8 * 2**20
@@ -78,11 +79,8 @@ def disk(tmp_path):
 def refit(world, cache: Path, target: str):
     params = RefitParams(catalog=world.catalog, model=world.lab.model, seed_checkpoint=str(world.lab.launch),
                          cache_dir=cache, target=target, apply_workers=2, lock_timeout_s=30)
-    try:
-        cs.refit_plain(params, cs.RecordingEngine(cache / "engine.json"))
-    except StoreError as exc:
-        return exc
-    return None
+    result = run_refit(params, installer=cs.RecordingEngine(cache / "engine.json"))
+    return None if result.status == "READY" else result.exception
 
 
 def store_of(world, cache: Path) -> Path:

@@ -1,4 +1,4 @@
-"""Digests, checksums, safetensors headers and the delta codec (SPEC sections 3 and 5)."""
+"""Digests, checksums, safetensors headers and the delta codec (docs/format.md, sections 3 and 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Index manifests of full checkpoints and deltas: every rule of SPEC section 5 has its error."""
+"""Index manifests of full checkpoints and deltas: every rule of docs/format.md, section 5 has its error."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The publisher writes exactly the records and payloads SPEC sections 4-5 describe."""
+"""The publisher writes exactly the records and payloads docs/format.md, sections 4-5 describe."""
 
 from __future__ import annotations
 

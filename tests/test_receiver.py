@@ -1,4 +1,4 @@
-"""What users rely on from the receiver (issue 3, behaviours 1-18)."""
+"""What users rely on from the receiver."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from lab import independent_digest, read_checkpoint, run_plain, tree_hash
+from lab import independent_digest, read_checkpoint, tree_hash
 from storage.errors import (
     CapacityError, ChecksumMismatch, CheckpointMismatch, CodecError, InstallError, LineageError, ManifestError,
     ObjectNotFound,
@@ -113,9 +113,7 @@ def test_delta_reconstructs_exactly_and_becomes_the_next_base(flow_lab):
     lab.assert_checkpoint(result.checkpoint_path, "r1")
     assert json.loads((store.root / "deltas" / "r1.source.json").read_text())["uri"].endswith(
         "revisions/r1/delta.safetensors.index.json")
-    from tasks.activate import record_active
-
-    record_active(store, "r1", "none")
+    store.activate("r1", "none")
     assert store.active().version == "r1" and store.active().digest == independent_digest(lab.expected("r1"))[1]
     shard = sorted((store.root / "materialized" / "r1").glob("*.safetensors"))[0]
     inode = os.stat(shard).st_ino
@@ -211,11 +209,14 @@ def test_unsafe_bucket_names_are_rejected_and_nothing_is_cached(flow_lab, name):
     _ready_at_r1(lab)
     lab.publish("delta")
     edit_index(lab, "r2", lambda raw: raw.replace(b'"bucket-00000.safetensors"', json.dumps(name).encode(), 1))
+    outside = [Path("/tmp/x.safetensors"), store_of(lab).root / "deltas" / "x.safetensors",
+               store_of(lab).root / "x.safetensors"]
+    before = {p: p.stat().st_mtime_ns if p.exists() else None for p in outside}
     state, result = lab.refit()
     assert state.name == "Failed" and "unsafe shard file name" in result.error
     assert result.error_detail["revision"] == "r2" and result.error_detail["tensor"]
     assert not (store_of(lab).root / "deltas" / "r2").exists()
-    assert not Path("/tmp/x.safetensors").exists() or name != "/tmp/x.safetensors" or True
+    assert {p: p.stat().st_mtime_ns if p.exists() else None for p in outside} == before  # nothing written there
 
 
 def test_a_wrong_base_fails_before_any_download(flow_lab):
@@ -354,8 +355,7 @@ def test_cached_artifacts_with_another_source_or_changed_files_are_not_reused(fl
     store = store_of(lab)
 
     def evict_r1():  # as the quota would: r1 must be rebuilt from its cached delta
-        shutil.rmtree(store.root / "materialized" / "r1")
-        store.forget_verified("r1")
+        store.evict("r1", store.materialized_dir("r1"))
 
     evict_r1()
     source = store.root / "deltas" / "r1.source.json"
@@ -415,17 +415,17 @@ def test_full_revision_checksums_are_checked_when_declared_and_ignored_when_abse
 
 
 @pytest.mark.parametrize("change, error", [
-    ("checksum_format", ManifestError), ("dtype", CheckpointMismatch), ("shape", CheckpointMismatch),
-    ("extra tensor", CheckpointMismatch),
+    ("checksum_format", ManifestError), ("null checksum_format", ManifestError), ("dtype", CheckpointMismatch),
+    ("shape", CheckpointMismatch), ("extra tensor", ManifestError),
 ])
 def test_full_revisions_that_do_not_fit_are_rejected_with_the_checkpoint_untouched(flow_lab, change, error):
     lab = flow_lab
     _ready_at_r1(lab)
     lab.publish("full")
     folder = payload(lab, "r2")
-    if change == "checksum_format":
+    if change in ("checksum_format", "null checksum_format"):
         index = json.loads((folder / "model.safetensors.index.json").read_text())
-        index["metadata"]["checksum_format"] = "sha512"
+        index["metadata"]["checksum_format"] = "sha512" if change == "checksum_format" else None
         (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     else:
         shard = sorted(folder.glob("*.safetensors"))[0]
@@ -446,13 +446,15 @@ def test_full_revisions_that_do_not_fit_are_rejected_with_the_checkpoint_untouch
 
         rewrite_full_shard(shard, edit)
     before, files = snapshot_state(lab), checkpoint_bytes(lab)
+    materialized = tree_hash(store_of(lab).root / "materialized")
     state, result = lab.refit()
     assert state.name == "Failed" and result.error_detail["type"] == error.__name__, result.error
     assert result.error_detail["revision"] == "r2"
     assert snapshot_state(lab)["state"] == before["state"] and snapshot_state(lab)["active"] == before["active"]
-    assert tree_hash(store_of(lab).root / "materialized") == {
-        k[len("r1/"):] if False else k: v for k, v in tree_hash(store_of(lab).root / "materialized").items()}
+    assert tree_hash(store_of(lab).root / "materialized") == materialized  # r1's checkpoint never touched
     lab.assert_checkpoint(store_of(lab).absolute(store_of(lab).current().path), "r1")
+    # the index (and each shard's header, read by range) shows it: refused before any shard is downloaded
+    assert "fetch buckets" not in {s["name"] for s in result.stages}
 
 
 def test_a_full_artifact_is_reused_after_restart_with_only_its_index_refetched(flow_lab):
@@ -493,21 +495,21 @@ def test_a_failed_install_keeps_the_previous_version_and_a_retry_reuses_the_prep
     lab = flow_lab
     _ready_at_r1(lab)
     lab.publish("delta")
-    with pytest.raises(InstallError):
-        run_plain(lab.refit_params(), FlakyInstaller(fail=True))
+    failed = lab.run(FlakyInstaller(fail=True))
+    assert failed.status == "FAILED" and isinstance(failed.exception, InstallError)
     store = store_of(lab)
     assert store.active().version == "r1"  # a failed installation never activates
     assert store.state().status == "READY" and store.state().version == "r2"
     installer = FlakyInstaller(fail=False)
-    rx = run_plain(lab.refit_params(), installer)
-    assert installer.installed == ["r2"] and store.active().version == "r2"
-    assert rx.ledger.stages["fetch buckets"].bytes == 0 and "apply deltas" in rx.ledger.stages
-    assert rx.ledger.stages["apply deltas"].bytes == 0
+    result = lab.run(installer)
+    assert result.status == "READY" and installer.installed == ["r2"] and store.active().version == "r2"
+    stages = {s["name"]: s for s in result.stages}
+    assert stages["fetch buckets"]["bytes"] == 0 and stages["apply deltas"]["bytes"] == 0
     lab.publish("full")
     lab.publish("delta")
-    with pytest.raises(InstallError):
-        run_plain(lab.refit_params(target="r3"), FlakyInstaller(fail=True))
-    run_plain(lab.refit_params(), installer)  # recovery to another target: full + delta
+    failed = lab.run(FlakyInstaller(fail=True), target="r3")
+    assert failed.status == "FAILED" and isinstance(failed.exception, InstallError)
+    assert lab.run(installer).status == "READY"  # recovery to another target: full + delta
     assert installer.installed == ["r2", "r4"] and store.active().version == "r4"
     lab.assert_checkpoint(store.absolute(store.current().path), "r4")
 
@@ -519,9 +521,7 @@ def test_deferred_activation(flow_lab):
     state, result = lab.refit(activate=False)
     store = store_of(lab)
     assert state.name == "Ready" and store.active().version == "r1" and store.current().version == "r2"
-    from tasks.activate import record_active
-
-    record_active(store, "r2", "none")
+    store.activate("r2", "none")
     assert store.active().version == "r2"
 
 

@@ -1,4 +1,4 @@
-"""The receiver as users run it: CLI, exit codes, demo, shared caches, kills (issue 3, behaviours 19-21)."""
+"""The receiver as users run it: CLI, exit codes, demo, shared caches, kills."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_json_result_and_exit_codes(flow_lab, cli_env):
 
     out = refit_cli(lab, cli_env, "--target", "r9")
     assert out.returncode == 1 and parse(out)["status"] == "FAILED" and "r9" in parse(out)["error"]
-    assert parse(out)["version"] == "r1"  # still installed
+    assert parse(out)["version"] is None and parse(out)["installed_version"] == "r1"  # still installed
 
     store = LocalStore(lab.cache, lab.model)
     store.mark_poisoned("test: engine died mid-load", "r1", "none")

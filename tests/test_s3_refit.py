@@ -121,7 +121,7 @@ def test_permanent_errors_fail_at_once_and_leave_the_installed_version(published
             assert stages["fetch buckets"]["attempts"] == 1 and stages["fetch buckets"]["retries"] == 0
             assert len(proxy.requests(path)) == 1  # one HEAD: no retry storm
         # nothing changed: r1 is still installed and its checkpoint intact
-        assert result.version == "r1"
+        assert result.version is None and result.installed_version == "r1"
         assert LocalStore(cache, lab.model).active().version == "r1"
         lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
 

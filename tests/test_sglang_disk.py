@@ -56,7 +56,7 @@ def test_a_failed_load_poisons_because_sglangs_rollback_reads_the_new_checkpoint
         assert state.name == "Poisoned", result.error
         assert "Rolling back to original weights" in result.error
         store = store_of(lab)
-        assert store.poisoned()["version"] == "r2" and store.active().version == "r1"
+        assert store.poisoned().version == "r2" and store.active().version == "r1"
         # the "rollback" re-read the NEW path: the engine runs r2 while SGLang reported failure
         assert holds_exactly(engine, lab, "r2")
         assert http_json(engine.url, "/model_info")["weight_version"] == "r1"

@@ -7,8 +7,7 @@ import json
 import pickle
 
 from flows.cli import main as cli_main
-from flows.refit import refit
-from flows.sglang_loader import LOADER_PATH
+from tasks.installers.sglang_loader import LOADER_PATH
 from sglang_flows import (assert_engine_holds, cli_args, closed_port_url, engine_lab, holds_exactly,  # noqa: F401
                           http_json, published, sglang, store_of)
 from sglang_mock import MockSGLang
@@ -18,7 +17,7 @@ from storage.errors import ReceiverPoisoned
 
 def run_cli(capsys, args: list[str]) -> tuple[int, dict]:
     capsys.readouterr()
-    code = cli_main(args + ["--json"], refit_flow=refit)
+    code = cli_main(args + ["--json"])
     return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
@@ -61,7 +60,7 @@ def test_failure_before_mutation_keeps_the_previous_version_active(engine_lab, c
         assert state.name == "Failed" and result.status == "FAILED"
         assert "no engine's weights were touched" in result.error and "safetensors file vanished" in result.error
         assert "'r2'" in result.error  # names the revision
-        assert result.version == "r1"
+        assert result.version is None and result.installed_version == "r1"
         store = store_of(lab)
         assert store.poisoned() is None and store.active().version == "r1"
         assert_engine_holds(engine, lab, "r1")
@@ -69,7 +68,7 @@ def test_failure_before_mutation_keeps_the_previous_version_active(engine_lab, c
 
         code, out = run_cli(capsys, ["--catalog", lab.catalog, "--seed-checkpoint", str(lab.launch),
                                      "--target", "r2", *cli_args(lab, engine)])
-        assert (code, out["status"], out["version"]) == (1, "FAILED", "r1")
+        assert (code, out["status"], out["installed_version"]) == (1, "FAILED", "r1")
 
         engine.faults.fail_iterator = None  # the receiver is healthy: the next refit just works
         state, result = lab.refit(target="r2", installer=sglang(engine))
@@ -90,7 +89,7 @@ def test_failure_after_mutation_poisons_until_recover_succeeds(engine_lab, capsy
         assert (code, out["status"]) == (3, "POISONED")
         assert "partially written" in out["error"] and "injected failure" in out["error"]
         store = store_of(lab)
-        assert store.poisoned()["version"] == "r2" and store.active().version == "r1"
+        assert store.poisoned().version == "r2" and store.active().version == "r1"
         assert not holds_exactly(engine, lab, "r1") and not holds_exactly(engine, lab, "r2")
 
         # further installs are refused, and the engine is not called
@@ -131,7 +130,7 @@ def test_timeouts_and_malformed_answers_after_the_request_was_sent_poison(engine
         assert_engine_holds(engine, lab, "r1")
 
 
-def test_a_crashed_engine_poisons_and_recovery_waits_for_it(engine_lab):
+def test_a_crashed_engine_poisons_and_recovery_waits_for_it(engine_lab, capsys):
     lab = engine_lab
     with MockSGLang(lab.launch, lab.shape) as engine:
         engine.faults.drop = True  # the server goes away after loading, without answering
@@ -141,8 +140,11 @@ def test_a_crashed_engine_poisons_and_recovery_waits_for_it(engine_lab):
         # the engine is gone: recovery cannot install, so the mark stays
         assert cli_main(["recover", *cli_args(lab, engine)]) == 3
         assert store_of(lab).poisoned() is not None
-        with MockSGLang(lab.launch, lab.shape) as restarted:  # the operator restarts it
-            assert cli_main(["recover", *cli_args(lab, restarted)]) == 0
+        with MockSGLang(lab.launch, lab.shape) as restarted:  # the operator restarts it, on another port
+            # recovery goes through the engines the node was poisoned with, unless told otherwise explicitly
+            assert cli_main(["recover", *cli_args(lab, restarted)]) == 3
+            assert "--override-installer" in capsys.readouterr().out
+            assert cli_main(["recover", *cli_args(lab, restarted), "--override-installer"]) == 0
             assert_engine_holds(restarted, lab, "r1")
         assert store_of(lab).poisoned() is None
 
@@ -154,7 +156,7 @@ def test_rejections_before_the_engine_acted_leave_everything_as_it_was(engine_la
             MockSGLang(lab.launch, lab.shape, api_key="sesame") as locked:
         cases = [
             (sglang(closed_port_url()), "could not send"),
-            (sglang(stock), "--custom-weight-loader flows.sglang_loader.load_prepared_checkpoint"),
+            (sglang(stock), "--custom-weight-loader tasks.installers.sglang_loader.load_prepared_checkpoint"),
             (sglang(locked), "HTTP 401"),
             (sglang(locked, api_key="wrong"), "HTTP 401"),
         ]

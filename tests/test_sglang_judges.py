@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.sglang_loader import FAILED, LOADING, OK, VALIDATING, LoadReport
+from tasks.installers.sglang_loader import FAILED, LOADING, OK, VALIDATING, LoadReport
 from tasks.installers.sglang import EngineClient, Reply, judge_disk_reply, judge_loader_install
 from storage.errors import InstallError
 
@@ -89,7 +89,7 @@ def test_engine_urls_must_be_http(url):
 
 
 def test_unreadable_reports_count_as_ranks_that_may_have_mutated(tmp_path):
-    from flows.sglang_loader import read_reports, reports_dir
+    from tasks.installers.sglang_loader import read_reports, reports_dir
     from storage.local_store import LocalStore
 
     store = LocalStore(tmp_path, "org/name")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from flows.sglang_loader import (FAILED, OK, LoaderSettings, LoadRequest, load_prepared_checkpoint, read_reports,
+from tasks.installers.sglang_loader import (FAILED, OK, LoaderSettings, LoadRequest, load_prepared_checkpoint, read_reports,
                                  reports_dir, request_path, write_request)
 from lab import Lab, tiny_shape, tree_hash
 from sglang_support import DefaultModelLoader, Faults, LoadFormat, TinySGLangLlama, engine_context, engine_env
@@ -127,8 +127,8 @@ BEFORE_MUTATION = {
     "expired": (lambda store: make_request(store, deadline_unix_ms=now_ms() - 1), "validation", "expired"),
     "files changed": (lambda store: (make_request(store), _tamper_mtime(store))[0], "validation",
                       "not verified and intact"),
-    "store updating": (lambda store: (make_request(store), store.write_state(
-        StoreState(UPDATING, "r3", {}, store.current().path, "r2")))[0], "validation", "UPDATING"),
+    "store updating": (lambda store: (make_request(store), store.begin_update(
+        "r3", store.absolute(store.current().path), "r2"))[0], "validation", "UPDATING"),
 }
 
 

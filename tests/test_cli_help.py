@@ -1,0 +1,65 @@
+"""Every command line is built from the settings models: each flag's help is its field's description.
+
+The entry points are run with ``--help`` as a user would; each flag they
+list must show the description of the field it sets and the environment
+variable that sets it too, so flags, settings and documentation cannot drift.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flows.options import _field, env_name
+from lab import ROOT_DIR
+
+
+def _entry_points():
+    from deployments.serve import NODE_FLAGS, SERVE_FLAGS, ServeSettings
+    from flows.cli import RECOVER_FLAGS, REFIT_FLAGS
+    from flows.publish import PUBLISH_FLAGS
+    from flows.recover import RecoverParams
+    from storage.settings import PublishParams, RefitParams
+
+    return {
+        "flows.refit": [(RefitParams, REFIT_FLAGS)],
+        "flows.refit recover": [(RecoverParams, RECOVER_FLAGS)],
+        "flows.publish": [(PublishParams, PUBLISH_FLAGS)],
+        "deployments.serve": [(RefitParams, NODE_FLAGS), (ServeSettings, SERVE_FLAGS)],
+    }
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+@pytest.mark.parametrize("command", ["flows.refit", "flows.refit recover", "flows.publish", "deployments.serve"])
+def test_help_shows_every_fields_description_and_variable(command):
+    module, *sub = command.split()
+    done = subprocess.run([sys.executable, "-m", module, *sub, "--help"], capture_output=True, text=True,
+                          cwd=ROOT_DIR, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = _squash(done.stdout)
+    for model, flags in _entry_points()[command]:
+        for flag in flags:
+            owner, name, info = _field(model, flag.path)
+            assert flag.option() in text, flag
+            assert info.description, f"{owner.__name__}.{name} has no description"
+            assert _squash(info.description) in text, (flag.option(), info.description)
+            assert env_name(owner, name) in text, (flag.option(), env_name(owner, name))
+    assert "PydanticUndefined" not in text
+
+
+def test_flags_set_the_fields_they_name_and_nothing_else():
+    from flows.cli import _run_parser, build_params
+
+    args = _run_parser().parse_args(["--catalog", "/c", "--model", "a/b", "--installer", "sglang", "--engine-url",
+                                     "http://e:1", "--engine-url", "http://e:2", "--no-activate",
+                                     "--fetch-workers", "3", "--retries", "0"])
+    params = build_params(args)
+    assert (params.installer.kind, params.installer.engine_urls) == ("sglang", ["http://e:1", "http://e:2"])
+    assert params.activate is False and params.storage.concurrency == 3 and params.retries == 0
+    assert params.target == "latest" and params.only_if_newer is False  # not given: the defaults

@@ -1,0 +1,86 @@
+"""Durability off the critical path: READY without waiting for the disk, and never trusting what a restart lost.
+
+A refit records its patched checkpoint ``flushed=False`` with the boot it
+was verified in, and writes the pages back in the background. A simulated
+restart (another boot identity) with a byte of an unflushed checkpoint
+changed behind the file's back must be detected and rebuilt, never installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import crash_support as cs
+from lab import independent_digest
+from storage.flush import wait_for_flushes
+
+
+def _verified(lab, version: str) -> dict:
+    return json.loads((lab.store_root / "verified" / f"{version}.json").read_text())
+
+
+def _as_if_power_failed_before_the_flush(lab, version: str) -> None:
+    path = lab.store_root / "verified" / f"{version}.json"
+    record = json.loads(path.read_text())
+    path.write_text(json.dumps(record | {"flushed": False}))
+
+
+def _flip_a_byte_keeping_identity(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    st = shard.stat()
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as before: identity cannot tell
+
+
+def test_a_patched_checkpoint_is_ready_before_its_pages_are_on_disk_then_marked_flushed(flow_lab, monkeypatch):
+    lab = flow_lab
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    for kind in ("initial", "delta"):
+        lab.publish(kind)
+    result = lab.run(target="r1")
+    assert result.status == "READY"
+    wait_for_flushes(60)
+    record = _verified(lab, "r1")
+    assert record["boot_id"] == "boot-a" and record["flushed"] is True  # written back after READY
+
+
+def test_an_unflushed_checkpoint_changed_across_a_restart_is_rebuilt_never_installed(flow_lab, monkeypatch, tmp_path):
+    lab = flow_lab
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    for kind in ("initial", "delta", "delta"):
+        lab.publish(kind)
+    engine = cs.RecordingEngine(tmp_path / "engine.json")
+    assert lab.run(engine, target="r1").status == "READY"
+    wait_for_flushes(60)
+    _as_if_power_failed_before_the_flush(lab, "r1")
+    _flip_a_byte_keeping_identity(lab.store_root / "materialized" / "r1")
+
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")  # the machine restarted
+    result = lab.run(engine, target="r1")
+    assert result.status == "READY", result.error
+    assert any("forgot r1" in note and "restart" in note for note in result.notes), result.notes
+    assert result.target_digest == independent_digest(lab.expected("r1"))[1]
+    lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
+    loads = engine.loads()
+    assert loads and all(load["bytes"] == independent_digest(lab.expected(load["version"]))[1] for load in loads)
+    assert lab.run(engine, target="r2").status == "READY"
+
+
+def test_an_unflushed_checkpoint_intact_across_a_restart_is_re_verified_and_reused(flow_lab, monkeypatch):
+    lab = flow_lab
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    for kind in ("initial", "delta", "delta"):
+        lab.publish(kind)
+    assert lab.run(target="r1").status == "READY"
+    wait_for_flushes(60)
+    _as_if_power_failed_before_the_flush(lab, "r1")
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")
+    result = lab.run(target="r2")
+    assert result.status == "READY"
+    assert any("re-verified r1 after a restart" in note for note in result.notes), result.notes
+    assert result.lineage == ["r1", "r2"]  # the re-verified checkpoint was the starting point
+    lab.assert_checkpoint(Path(result.checkpoint_path), "r2")

@@ -1,0 +1,93 @@
+"""The code's layers: data flows one way, and no module imports its way back up.
+
+``storage`` (formats, object storage, the local store) knows nothing of the
+pipeline; ``tasks`` (the stages) build on ``storage``; ``flows`` (the flows
+and their command lines) compose the stages; ``deployments`` and
+``benchmarks`` sit on top, and nothing in the product imports ``tests``.
+Every import counts, including those inside functions: a lazy import that
+goes up is still a cycle in the design.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"storage": 0, "tasks": 1, "flows": 2, "deployments": 3, "benchmarks": 3}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package in LAYERS:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def _is_main_block(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":`` (a script's entry point) or ``if TYPE_CHECKING:`` (annotations only):
+    neither imports anything when the module is imported."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    if isinstance(test, ast.Name) and test.id == "TYPE_CHECKING":
+        return True
+    return isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    tree = ast.parse(path.read_text())
+    tree.body = [node for node in tree.body if not _is_main_block(node)]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_no_module_imports_a_higher_layer_or_the_tests():
+    upward = []
+    for name, path in _modules().items():
+        layer = LAYERS[name.split(".")[0]]
+        for imported in _imports(path):
+            top = imported.split(".")[0]
+            if top == "tests" or top in ("lab", "crash_support", "s3_support"):
+                upward.append(f"{name} imports the tests ({imported})")
+            elif top in LAYERS and LAYERS[top] > layer and not (top == "benchmarks" and layer == 3):
+                upward.append(f"{name} imports {imported} from a higher layer")
+    assert upward == []
+
+
+def test_there_are_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(stack[stack.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_the_layer_check_sees_imports_inside_functions():
+    tree = ast.parse("def f():\n    from flows.cli import main\n")
+    assert any(isinstance(n, ast.ImportFrom) and n.module == "flows.cli" for n in ast.walk(tree))
