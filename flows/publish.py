@@ -37,7 +37,8 @@ from storage.publisher import (  # noqa: E402
 )
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
-from tasks.stage import step  # noqa: E402
+from flows.prefect_api import configured_api_url  # noqa: E402
+from tasks.stage import in_flow_run, step  # noqa: E402
 
 log = logging.getLogger("canonical_refit.publish")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
@@ -237,7 +238,10 @@ def run_publish(params: PublishParams) -> PublishResult:
                                     revision=plan.version, file=catalog.record_url(plan.version))
         written, created, attempts = put_publication(params, objects, catalog, payload, url, record)
     if params.emit_event:
-        emit_published(record, catalog)
+        if in_flow_run() or configured_api_url():
+            emit_published(record, catalog)
+        else:  # a trainer process without Prefect: nothing to announce to (nodes still find it by polling)
+            log.info("no Prefect API configured: %s was published without the %s event", record.version, EVENT)
     if params.keep_copy:
         PublisherCopy(params.state_dir, params.model).keep(params.checkpoint, record.version,
                                                            snap.checksum_format, snap.checksums)

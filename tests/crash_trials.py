@@ -3,7 +3,7 @@
 A trial restores a start store, runs a refit child (``crash_support``) that
 SIGKILL ends at a named kill point or at a random moment (sometimes killing
 the first recovery too), then runs a fresh refit and checks the invariants of
-``crash_support.check_recovered``. ``benchmarks/crash_harness.py`` runs the
+``crash_support.check_recovered``. ``tests/crash_harness.py`` runs the
 full mode; ``tests/test_crash.py`` the CI mode.
 """
 

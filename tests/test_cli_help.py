@@ -24,7 +24,11 @@ def _entry_points():
     from flows.recover import RecoverParams
     from storage.settings import PublishParams, RefitParams
 
+    from flows.fleet import STATUS_FLAGS, WAIT_FLAGS, FleetParams
+
     return {
+        "flows.fleet status": [(FleetParams, STATUS_FLAGS)],
+        "flows.fleet wait": [(FleetParams, WAIT_FLAGS)],
         "flows.refit": [(RefitParams, REFIT_FLAGS)],
         "flows.refit recover": [(RecoverParams, RECOVER_FLAGS)],
         "flows.publish": [(PublishParams, PUBLISH_FLAGS)],
@@ -36,7 +40,8 @@ def _squash(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
-@pytest.mark.parametrize("command", ["flows.refit", "flows.refit recover", "flows.publish", "deployments.serve"])
+@pytest.mark.parametrize("command", ["flows.refit", "flows.refit recover", "flows.publish", "deployments.serve",
+                                     "flows.fleet status", "flows.fleet wait"])
 def test_help_shows_every_fields_description_and_variable(command):
     module, *sub = command.split()
     done = subprocess.run([sys.executable, "-m", module, *sub, "--help"], capture_output=True, text=True,

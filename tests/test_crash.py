@@ -1,4 +1,4 @@
-"""Crash consistency under SIGKILL (CI mode of ``benchmarks/crash_harness.py``).
+"""Crash consistency under SIGKILL (CI mode of ``tests/crash_harness.py``).
 
 Every kill point of every scenario is hit once (plus crashes during recovery
 and "go back" recoveries); each trial kills a refit child, then a fresh refit

@@ -232,3 +232,18 @@ def test_a_malformed_state_file_is_a_store_error_naming_it(flow_lab, content):
     state, result = lab.refit()
     assert state.name == "Failed" and result.error_detail["type"] == "StoreError"
     assert result.error_detail["local_file"] == str(state_file) and "move it away" in result.error
+
+
+def test_the_declared_s3fs_floor_has_create_only_puts():
+    """Create-only puts (If-None-Match) arrived in s3fs 2024.12.0: an older floor would let a publisher
+    silently overwrite published objects on a fresh install."""
+    import inspect
+    import re as regex
+
+    import s3fs
+
+    pyproject = (ROOT_DIR / "pyproject.toml").read_text()
+    floors = dict(regex.findall(r'"(s3fs|fsspec)>=([0-9.]+)"', pyproject))
+    assert tuple(map(int, floors["s3fs"].split("."))) >= (2024, 12, 0)
+    assert tuple(map(int, floors["fsspec"].split("."))) >= (2024, 12, 0)
+    assert "mode" in inspect.signature(s3fs.S3FileSystem._pipe_file).parameters  # what we rely on

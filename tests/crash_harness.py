@@ -1,6 +1,6 @@
 """Full crash harness: SIGKILL refits at kill points and at random moments, recover, check.
 
-    python -m benchmarks.crash_harness --trials 200 [--seed 7] [--json out.json] [--real-flow 3]
+    python tests/crash_harness.py --trials 200 [--seed 7] [--json out.json] [--real-flow 3]
 
 Publishes a tiny catalog through the real publish flow (an isolated Prefect
 API), builds start stores, then runs ``--trials`` trials: each starts a refit
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-for extra in (ROOT, ROOT / "tests"):
+for extra in (ROOT, ROOT / "tests"):  # run as a script from the repository root
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
@@ -42,7 +42,7 @@ def _isolate_prefect() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.crash_harness", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python tests/crash_harness.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=200, help="crash trials (default 200)")
     parser.add_argument("--seed", type=int, default=7, help="seed of the trial plan")
     parser.add_argument("--real-flow", type=int, default=3, help="extra trials through `python -m flows.refit`")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = ct.summarize(trials + real)
     summary["real_flow_trials"] = len(real)
     summary["seconds"] = round(time.monotonic() - started, 1)
-    summary["command"] = "python -m benchmarks.crash_harness " + " ".join(argv if argv is not None else sys.argv[1:])
+    summary["command"] = "python tests/crash_harness.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
