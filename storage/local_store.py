@@ -45,121 +45,22 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TypeVar
 
 from storage.durable import (
-    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, read_json_file,
-    remove_tree, temp_name, tree_size,
+    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, remove_tree,
+    temp_name, tree_size,
 )
 from storage.errors import InstallError, RefitError, StoreError
 from storage.killpoints import killpoint
 from storage.locks import StoreLock
+from storage.store_records import (  # noqa: F401  (the records are part of the store's interface)
+    READY, UPDATING, ActiveIdentity, Chain, PoisonedMark, StoreState, VerifiedCheckpoint, now_ms, read_record,
+    store_folder_name,
+)
 
 log = logging.getLogger("canonical_refit.store")
-
-READY, UPDATING = "READY", "UPDATING"
-T = TypeVar("T")
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-@dataclass(frozen=True)
-class StoreState:
-    """Contents of ``state.json``: the current prepared checkpoint and whether it is trustworthy."""
-
-    status: str
-    version: str | None
-    files: dict = field(default_factory=dict)
-    source: str | None = None  # checkpoint folder, relative to the store root
-    previous: str | None = None  # last verified version while UPDATING
-    updated_at_unix_ms: int = 0
-
-
-@dataclass(frozen=True)
-class VerifiedCheckpoint:
-    """Contents of ``verified/{v}.json``: what was verified, and how to tell it is unchanged."""
-
-    version: str
-    path: str
-    sequence: int
-    checksum_format: str
-    format_digest: str
-    target_digest: str
-    checksums: dict
-    files: dict
-    verified_at_unix_ms: int = 0
-    boot_id: str | None = None  # the boot during which it was verified
-    flushed: bool = True  # its bytes are known to be on disk (fsynced) — else trusted only in the same boot
-
-    @property
-    def trusted(self) -> bool:
-        """Its bytes may be used without re-hashing: they reached the disk, or the machine has not restarted."""
-        return self.flushed or self.boot_id == boot_id()
-
-
-@dataclass(frozen=True)
-class ActiveIdentity:
-    """Contents of ``active.json``: the installed identity."""
-
-    version: str
-    digest: str
-    format_digest: str
-    files: dict
-    path: str
-    installer: str
-    installed_at_unix_ms: int
-
-
-@dataclass(frozen=True)
-class PoisonedMark:
-    """Contents of ``poisoned.json``: why installs are refused, and the installer to recover through."""
-
-    reason: str
-    version: str | None
-    installer: str
-    engine_urls: tuple[str, ...] = ()
-    since_unix_ms: int = 0
-
-
-@dataclass(frozen=True)
-class Chain:
-    """Contents of ``chains/{v}.json``: rebuild {v} by copying ``full_version`` and applying ``deltas``."""
-
-    version: str
-    full_version: str
-    deltas: tuple[str, ...] = ()
-
-
-def store_folder_name(model: str) -> str:
-    return model.replace("/", "--")
-
-
-def _record(cls: type[T], path: Path) -> T | None:
-    """A state file parsed into ``cls``; None if absent; ``StoreError`` naming the file if malformed."""
-    try:
-        raw = read_json_file(path)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise StoreError(f"state file is not valid JSON ({exc}); move it away and run `recover`",
-                         local_file=str(path)) from None
-    except OSError as exc:
-        raise StoreError(f"state file cannot be read ({exc})", local_file=str(path)) from exc
-    if raw is None:
-        return None
-    names = {f.name for f in fields(cls)}
-    try:
-        if not isinstance(raw, dict):
-            raise TypeError(f"a JSON {type(raw).__name__}, not an object")
-        value = cls(**{k: v for k, v in raw.items() if k in names})
-    except TypeError as exc:
-        raise StoreError(f"state file does not hold a {cls.__name__} record ({exc}); move it away and run "
-                         "`recover`", local_file=str(path)) from None
-    return value
-
 
 class LocalStore:
     """Paths, records and transitions of one model's local store."""
@@ -250,17 +151,17 @@ class LocalStore:
     # -- reading ------------------------------------------------------------------------
 
     def state(self) -> StoreState | None:
-        return _record(StoreState, self.state_path)
+        return read_record(StoreState, self.state_path)
 
     def active(self) -> ActiveIdentity | None:
-        return _record(ActiveIdentity, self.active_path)
+        return read_record(ActiveIdentity, self.active_path)
 
     def poisoned(self) -> PoisonedMark | None:
-        mark = _record(PoisonedMark, self.poisoned_path)
+        mark = read_record(PoisonedMark, self.poisoned_path)
         return replace(mark, engine_urls=tuple(mark.engine_urls)) if mark is not None else None
 
     def chain(self, version: str) -> Chain | None:
-        chain = _record(Chain, self._chain_path(version))
+        chain = read_record(Chain, self._chain_path(version))
         return replace(chain, deltas=tuple(chain.deltas)) if chain is not None else None
 
     def verified(self, version: str, *, check_files: bool = True) -> VerifiedCheckpoint | None:
@@ -269,7 +170,7 @@ class LocalStore:
         A checkpoint verified before a restart whose bytes were not yet known
         to be on disk is not trusted until ``recover`` has re-hashed it.
         """
-        record = _record(VerifiedCheckpoint, self._verified_path(version))
+        record = read_record(VerifiedCheckpoint, self._verified_path(version))
         if record is None:
             return None
         if check_files and (not record.trusted or not self.files_match(record.path, record.files)):
@@ -354,7 +255,7 @@ class LocalStore:
 
         Only strengthens trust, so it may run under the shared lock (a background flush).
         """
-        current = _record(VerifiedCheckpoint, self._verified_path(record.version))
+        current = read_record(VerifiedCheckpoint, self._verified_path(record.version))
         if current is None or current.flushed or (current.path, current.files) != (record.path, record.files):
             return False
         if not self.files_match(current.path, current.files):

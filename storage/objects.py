@@ -32,7 +32,8 @@ from storage.errors import (
 from storage.classify import classify, local_error
 from storage.settings import ObjectStoreSettings
 from storage import transfer
-from storage.transfer import ConnectionBudget, FsspecSource, LocalSource, S3Multipart, S3Source
+from storage.multipart import S3Multipart, upload_parts
+from storage.transfer import ConnectionBudget, FsspecSource, LocalSource, S3Source
 from storage.urls import join_url, normalize_url
 
 log = logging.getLogger("canonical_refit.objects")
@@ -338,7 +339,7 @@ class ObjectStore:
         exists = size >= 2 * part and not self.is_local(fs) and self.exists(url)
         if not exists:
             if multipart:
-                created = transfer.upload_parts(self, S3Multipart(fs, path), url, local, part)
+                created = upload_parts(self, S3Multipart(fs, path), url, local, part)
             else:
                 created = self.call("create-only upload", url, put)
             if created:

@@ -1,4 +1,4 @@
-"""Ranged, resumable downloads and concurrent multipart uploads under one connection budget.
+"""Ranged, resumable downloads under one connection budget shared with the uploads.
 
 ``ConnectionBudget`` is the pool of ``concurrency`` request slots that an
 ``ObjectStore`` and its ``with_stats`` views share: every GET body and every
@@ -16,24 +16,21 @@ unrecorded bytes, and ``dest`` only ever appears whole (a rename). Remote
 requests go through ``ObjectStore.call`` one range at a time (retried and
 counted); local file errors become ``StoreError`` naming the local path.
 
-The sources (``S3Source``, ``FsspecSource``, ``LocalSource``) and the
-multipart wire (``S3Multipart``) are chosen by ``storage.objects``, the only
-module that knows about protocols.
+The sources (``S3Source``, ``FsspecSource``, ``LocalSource``) are chosen by
+``storage.objects``, the only module that knows about protocols; uploads
+are in ``storage.multipart``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import fcntl
 import json
 import logging
-import math
 import os
 import threading
 import time
 import weakref
-import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +41,7 @@ from fsspec.asyn import sync
 from storage.classify import local_error, s3_error_code
 from storage.durable import atomic_write_json, fsync_dir, temp_name
 from storage.errors import (
-    Cancelled, ObjectNotFound, PermanentStorageError, StoreError, TransientStorageError,
+    Cancelled, PermanentStorageError, StoreError, TransientStorageError,
 )
 
 if TYPE_CHECKING:
@@ -528,103 +525,9 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-# -- multipart uploads --------------------------------------------------------------------------
-
-
-class S3Multipart:
-    """The S3 multipart-upload API through s3fs's client; completion is create-only (If-None-Match)."""
-
-    def __init__(self, fs, path: str):
-        self.fs = fs
-        self.bucket, self.key, _ = fs.split_path(path)
-
-    def create(self) -> str:
-        return self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
-
-    def upload_part(self, upload_id: str, number: int, data: bytes) -> str:
-        # the CRC32 botocore would compute on the event loop shared by every request, computed
-        # here on the calling thread instead (zlib releases the GIL)
-        crc32 = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
-        return self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
-                               PartNumber=number, Body=data, ChecksumCRC32=crc32)["ETag"]
-
-    def complete(self, upload_id: str, etags: dict[int, str]) -> None:
-        """Raises ``FileExistsError`` if the key already exists."""
-        parts = [{"PartNumber": n, "ETag": etags[n]} for n in sorted(etags)]
-        self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id,
-                        MultipartUpload={"Parts": parts}, IfNoneMatch="*")
-
-    def abort(self, upload_id: str) -> None:
-        self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
-
-
-def upload_parts(store: "ObjectStore", wire: S3Multipart, url: str, local: Path, part_size: int) -> bool:
-    """Upload ``local`` to ``url`` in ``part_size`` parts, in parallel on the store's budget.
-
-    Returns True if the object was created, False if the create-only
-    completion found the key already there (the caller compares the bytes).
-    An upload that does not complete is aborted, so no parts are left behind.
-    """
-    local = Path(local)
-    failed = threading.Event()
-    size = _local("reading the file to upload", local, url, os.path.getsize, local)
-    fd = _local("opening the file to upload", local, url, os.open, local, os.O_RDONLY)
-    try:
-        upload_id = store.call("create multipart upload", url, wire.create)
-
-        def part(number: int) -> str:
-            if failed.is_set():
-                raise _Stopped("stopped: another part of this upload failed", file=url)
-            offset = (number - 1) * part_size
-            length = min(part_size, size - offset)
-            data = _local("reading the file to upload", local, url, os.pread, fd, length, offset)
-            if len(data) != length:
-                raise StoreError(f"the file to upload shrank while it was read (part {number})",
-                                 file=url, local_file=str(local))
-            return store.call(f"upload of part {number}", url, lambda: wire.upload_part(upload_id, number, data))
-
-        tries = 0
-
-        def complete() -> bool:
-            nonlocal tries
-            tries += 1
-            try:
-                wire.complete(upload_id, etags)
-                return True
-            except FileExistsError:
-                return False
-            except FileNotFoundError:  # NoSuchUpload: an earlier attempt completed it but its answer was lost
-                if tries > 1:
-                    return False
-                raise
-
-        try:
-            calls = {n: (lambda n=n: part(n)) for n in range(1, math.ceil(size / part_size) + 1)}
-            etags = store.budget.run(calls, url=url, failed=failed)
-            created = store.call("create-only completion of the multipart upload", url, complete)
-        except BaseException:
-            _abort(store, wire, url, upload_id)
-            raise
-        if not created:
-            _abort(store, wire, url, upload_id)
-        return created
-    finally:
-        os.close(fd)
-
-
 def _local(doing: str, path: Path, url: str, fn: Callable, *args):
     """``fn(*args)``, a local file operation: its ``OSError`` becomes a ``StoreError`` naming ``path``."""
     try:
         return fn(*args)
     except OSError as exc:
         raise local_error(exc, path, url, doing) from exc
-
-
-def _abort(store: "ObjectStore", wire: S3Multipart, url: str, upload_id: str) -> None:
-    try:
-        store.call("abort of the multipart upload", url, lambda: wire.abort(upload_id))
-    except ObjectNotFound:  # NoSuchUpload: already completed or aborted
-        pass
-    except Exception as exc:  # the server is unreachable
-        log.warning("could not abort multipart upload %s of %s (its parts stay until the bucket's lifecycle "
-                    "rules remove them): %s", upload_id, url, exc)

@@ -8,7 +8,7 @@
 - Fake ``sglang`` modules with the documented shapes of ``LoadConfig``,
   ``LoadFormat``, ``DefaultModelLoader`` (``Source``, ``_get_weights_iterator``,
   ``load_weights_and_postprocess``, ``restore_weights_before_loading``) and
-  ``get_tensor_model_parallel_rank``, so the real adapter in
+  ``runtime_context.get_parallel`` (the TP rank), so the real adapter in
   ``tasks.installers.sglang_loader`` runs unchanged against them.
 - ``Faults``: failures the mock engine injects before and after mutation.
 """
@@ -276,14 +276,15 @@ class DefaultModelLoader:
                 quant_method.process_weights_after_loading(module)
 
 
-def get_tensor_model_parallel_rank() -> int:
-    return _current()[0]
+def get_parallel():
+    """SGLang 0.5.23's runtime context of parallel sizes and ranks (``sglang.srt.runtime_context``)."""
+    return types.SimpleNamespace(tp_rank=_current()[0])
 
 
 def fake_sglang_modules() -> dict[str, types.ModuleType]:
     """``sys.modules`` entries that make ``import sglang.srt...`` find the fakes above."""
     names = ["sglang", "sglang.srt", "sglang.srt.configs", "sglang.srt.configs.load_config",
-             "sglang.srt.model_loader", "sglang.srt.model_loader.loader", "sglang.srt.distributed"]
+             "sglang.srt.model_loader", "sglang.srt.model_loader.loader", "sglang.srt.runtime_context"]
     modules = {name: types.ModuleType(name) for name in names}
     for name in names[:-1]:
         modules[name].__path__ = []
@@ -291,7 +292,7 @@ def fake_sglang_modules() -> dict[str, types.ModuleType]:
     modules["sglang.srt.configs.load_config"].LoadConfig = LoadConfig
     modules["sglang.srt.configs.load_config"].LoadFormat = LoadFormat
     modules["sglang.srt.model_loader.loader"].DefaultModelLoader = DefaultModelLoader
-    modules["sglang.srt.distributed"].get_tensor_model_parallel_rank = get_tensor_model_parallel_rank
+    modules["sglang.srt.runtime_context"].get_parallel = get_parallel
     return modules
 
 

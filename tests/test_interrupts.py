@@ -91,11 +91,12 @@ def _finish(proc: subprocess.Popen) -> tuple[int, dict, str]:
     return proc.returncode, json.loads(lines[-1]), err
 
 
-@pytest.mark.parametrize("api", ["private", "server"])
-@pytest.mark.parametrize("point, start_at", [
-    ("state.updating", None),      # seeding the launch snapshot into an empty store
-    ("fetch.file", "r1"),          # a bucket of r2 downloaded, the apply waiting for it
-    ("apply.block", "r1"),         # patching r1's taken-over checkpoint into r2
+@pytest.mark.parametrize("point, start_at, api", [
+    ("state.updating", None, "server"),   # seeding the launch snapshot into an empty store
+    ("fetch.file", "r1", "server"),       # a bucket of r2 downloaded, the apply waiting for it
+    ("apply.block", "r1", "server"),      # patching r1's taken-over checkpoint into r2
+    ("state.updating", None, "private"),  # the same, with the command's own private Prefect API
+    ("apply.block", "r1", "private"),
 ])
 def test_ctrl_c_stops_the_run_at_a_safe_point_and_the_next_run_recovers(world, private_home, tmp_path, api,
                                                                           point, start_at):

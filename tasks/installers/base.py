@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Protocol
 
 from storage.local_store import ActiveIdentity, LocalStore
-from storage.settings import InstallerSettings
 
 
 @dataclass(frozen=True)

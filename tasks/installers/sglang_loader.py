@@ -224,10 +224,11 @@ class SGLangDefaultLoader:
 
     @staticmethod
     def tp_rank() -> int | None:
+        """This rank's TP index, from SGLang's runtime context (0.5.23 no longer exports the old getter)."""
         try:
-            from sglang.srt.distributed import get_tensor_model_parallel_rank
+            from sglang.srt.runtime_context import get_parallel
 
-            return int(get_tensor_model_parallel_rank())
+            return int(get_parallel().tp_rank)
         except Exception:
             return None
 
