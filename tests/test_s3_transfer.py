@@ -24,7 +24,8 @@ from storage.errors import (
     AccessDenied, Cancelled, ImmutableConflict, ObjectNotFound, StoreError, TransientStorageError,
 )
 from storage.objects import ObjectStore, TransferStats
-from storage.transfer import STREAM_CHUNK, S3Multipart, partial_paths, upload_parts
+from storage.multipart import S3Multipart, upload_parts
+from storage.transfer import STREAM_CHUNK, partial_paths
 from storage.urls import join_url
 
 MIB = 2**20
