@@ -3,8 +3,9 @@
 1. download every bucket of the revision to disk (the same ``ObjectStore``
    downloads and concurrency as the fetch stage);
 2. read the buckets into memory and, tensor by tensor in a thread pool,
-   decode each frame whole with zstd and XOR it into the mmap-backed
-   checkpoint with numpy; flush and fsync like the patcher does;
+   decode each frame whole with zstd and apply it to the mmap-backed
+   checkpoint with numpy (XOR a dense frame; index a sparse record); flush
+   and fsync (the straightforward receiver makes its bytes durable first);
 3. hash every patched tensor and compare with the bucket's checksum.
 
 No step starts before the previous one ends, so its wall time is the sum.
@@ -46,6 +47,34 @@ def fetch_revision(catalog_url: str, model: str, version: str, dest: Path, *,
                       "mb_s": round(sum(sizes) / seconds / 1e6, 1) if seconds else None}
 
 
+def _apply_record(encoding: str, record: np.ndarray, dest: np.ndarray, version: str, tensor: str) -> None:
+    """A whole decoded sparse record applied with fancy indexing (trusted: the baseline does not validate)."""
+    if encoding == "xor_gaps":
+        count = int(record[:8].view("<u8")[0])
+        body = record[8:]
+        ends = np.flatnonzero(body < 0x80)[:count]
+        gaps = _gap_values(body, ends)
+        positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        dest[positions] ^= body[int(ends[-1]) + 1:][:count] if count else body[:0]
+        return
+    width = 8 if encoding == "xor_sparse" else 4
+    count = int(record[:width].view(f"<u{width}")[0])
+    positions = record[width:width + width * count].view(f"<u{width}").astype(np.int64)
+    values = record[width + width * count:]
+    if values.size != count:
+        raise CodecError(f"{encoding} record does not hold its {count} values", revision=version, tensor=tensor)
+    if encoding == "xor_sparse":
+        dest[positions] ^= values
+    else:
+        dest[positions] = values
+
+
+def _gap_values(body: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    from storage.gaps import _decode
+
+    return _decode(body, ends, {}) if ends.size else np.empty(0, dtype=np.uint64)
+
+
 def run_baseline(catalog_url: str, model: str, version: str, checkpoint: Path, dest: Path, *,
                  workers: int, concurrency: int) -> dict:
     """Patch ``checkpoint`` (a copy of the base) to ``version`` the straightforward way; returns timings."""
@@ -68,12 +97,15 @@ def run_baseline(catalog_url: str, model: str, version: str, checkpoint: Path, d
         header, data = buckets[manifest.weight_map[tensor]]
         info = header.tensors[tensor]
         frame = memoryview(data)[header.data_offset + info.start: header.data_offset + info.end]
-        decoded = zstandard.ZstdDecompressor().decompress(frame)
+        decoded = np.frombuffer(zstandard.ZstdDecompressor().decompress(frame), dtype=np.uint8)
         dest_view = target(tensor)
-        if len(decoded) != dest_view.size:
-            raise CodecError(f"frame decodes to {len(decoded)} bytes, the tensor has {dest_view.size}",
+        if manifest.delta_encoding != "xor":
+            _apply_record(manifest.delta_encoding, decoded, dest_view, version, tensor)
+            return dest_view.size
+        if decoded.size != dest_view.size:
+            raise CodecError(f"frame decodes to {decoded.size} bytes, the tensor has {dest_view.size}",
                              revision=version, tensor=tensor)
-        np.bitwise_xor(dest_view, np.frombuffer(decoded, dtype=np.uint8), out=dest_view)
+        np.bitwise_xor(dest_view, decoded, out=dest_view)
         return dest_view.size
 
     names = sorted(manifest.weight_map, key=lambda t: -index.tensors[t].nbytes)

@@ -21,22 +21,67 @@ def _rates(r: dict) -> list[str]:
     k, d = r.get("kernels"), r.get("decode")
     if not k or not d:
         return []
-    return ["", "single-thread rates (GB/s of tensor bytes):",
-            f"  memcpy {k['memcpy_gb_s']}  in-place xor {k['xor_gb_s']}  adler32 {k['adler32_gb_s']} "
-            f"(stdlib zlib {k['zlib_adler32_gb_s']})  xxh3-128 {k['xxh3-128_gb_s']}  blake3 {k['blake3_gb_s']}",
-            f"  zstd decode {d['stream_gb_s']} (streamed in 4 MiB blocks), {d['whole_gb_s']} (whole frames)"]
+    lines = ["", "single-thread rates (GB/s of tensor bytes):",
+             f"  memcpy {k['memcpy_gb_s']}  in-place xor {k['xor_gb_s']} (anonymous memory)  adler32 "
+             f"{k['adler32_gb_s']} (stdlib zlib {k['zlib_adler32_gb_s']})  xxh3-128 {k['xxh3-128_gb_s']}  blake3 "
+             f"{k['blake3_gb_s']}",
+             f"  zstd decode of the lineage's r2 ({r['revisions'][0].get('encoding') if r.get('revisions') else '?'}):"
+             f" {d['stream_gb_s']} streamed, {d['whole_gb_s']} whole frames"]
+    dd = r.get("decode_dense")
+    if dd:
+        lines.append(f"  zstd decode of the dense step: {dd['stream_gb_s']} streamed, {dd['whole_gb_s']} whole frames; "
+                     f"{dd['threads']['threads']} threads at once: {dd['threads']['gb_s']}")
+    return lines
+
+
+def _lineage(r: dict) -> list[str]:
+    revs = r.get("revisions") or []
+    if not revs:
+        return []
+    lines = ["", "published lineage (run_publish, --base-checkpoint):",
+             f"  {'version':<8}{'changed':>9}{'encoding':>12}{'encoded MB':>12}{'of model':>10}{'publish s':>11}"]
+    for v in revs:
+        lines.append(f"  {v['version']:<8}{v['changed_element_fraction']:>9.2%}{v.get('encoding') or '-':>12}"
+                     f"{v['encoded_bytes'] / MB:>12.2f}{v.get('encoded_fraction_of_model', 0):>10.2%}"
+                     f"{v['publish_s']:>11.2f}")
+    return lines
+
+
+def sweep_table(r: dict) -> list[str]:
+    """One line per sweep step: bytes on the wire, publishing rate and apply time per publisher setting."""
+    rows = r.get("sweep") or []
+    if not rows:
+        return []
+    labels = ("auto", "xor", "xor_gaps")
+    lines = ["", "RL sweep (one training step each; wire = buckets + index over the full checkpoint's files; "
+                 "apply = in place on the work disk, over a plain in-place XOR of the same bytes):",
+             f"  {'step':<7}{'changed':>8}  " + "  ".join(f"{lab + ': encoding':>22}{'wire':>7}{'GB/s':>6}{'apply':>7}"
+                                                          for lab in labels) + f"{'XOR s':>8}{'pages':>9}"]
+    for row in rows:
+        cells = []
+        for lab in labels:
+            p, a = row["publish"].get(lab) or {}, row["apply"].get(lab) or {}
+            cells.append(f"{(p.get('encoding') or '-') + ' z' + str(p.get('level')):>22}"
+                         f"{100 * p.get('fraction_of_full', 0):>6.2f}%{p.get('gb_s', 0):>6.2f}"
+                         f"{a.get('over_reference', 0):>6.2f}x")
+        a = row["apply"].get("auto") or {}
+        pages = f"{a.get('pages_written')}/{a.get('pages_of_changed_tensors')}"
+        lines.append(f"  {row['share']:<7}{row['changed_element_share']:>8.2%}  " + "  ".join(cells)
+                     + f"{row['xor_reference']['reference_s']:>8.3f}{pages:>9}")
+    return lines
 
 
 def _sweep(r: dict) -> list[str]:
     if not r.get("apply_threads"):
         return []
-    lines = ["", f"apply throughput (storage.patcher, one delta, checkpoint in {r['config']['memdir_kind']}):",
+    lines = ["", f"apply throughput of the dense step (storage.patcher, checkpoint in {r['config']['memdir_kind']}):",
              f"  {'threads':>7}{'GB/s':>8}{'ideal':>8}{'ratio':>7}"]
     for row in r["apply_threads"]:
         lines.append(f"  {row['threads']:>7}{row['gb_s']:>8.3f}{row['ideal_gb_s'] or 0:>8.3f}{row['ratio'] or 0:>7.2f}")
     if r.get("apply_disk"):
         a = r["apply_disk"]
-        lines.append(f"  on the work disk, {a['threads']} thread(s): {a['gb_s']} GB/s (msync + fsync included)")
+        lines.append(f"  on the work disk, {a['threads']} thread(s): {a['gb_s']} GB/s (no flush: write-back comes "
+                     "after READY)")
     return lines
 
 
@@ -49,8 +94,10 @@ def _refits(r: dict) -> list[str]:
             run = job["runs"][0]
             peak = run.get("peak_memory") or {}
             where = f" (at {peak['at_s']}s, in {', '.join(peak['stages']) or 'no stage'})" if peak else ""
-            lines += ["", f"{label}: {run['wall_s']:.3f}s wall, data plane {run['data_plane_s']}s; peak RSS "
-                          f"{job['max_rss_bytes'] / MB:.0f} MB, peak anon {job['peak_anon_bytes'] / MB:.0f} MB{where}"]
+            lines += ["", f"{label}: {run['wall_s']:.3f}s wall, data plane {run['data_plane_s']}s, READY at "
+                          f"{run.get('ready_s')}s, on disk at {run.get('flushed_s')}s (background write-back); peak "
+                          f"RSS {job['max_rss_bytes'] / MB:.0f} MB, peak anon {job['peak_anon_bytes'] / MB:.0f} MB"
+                          f"{where}"]
             lines += _stage_lines(run)
     f = r.get("fetch")
     if f:
@@ -99,14 +146,15 @@ def table(r: dict) -> str:
     first = r["revisions"][0] if r.get("revisions") else {}
     lines = [f"machine: {m['cpu']}, {m['cores']} cores, {m['mem_gb']} GB RAM; load average {r['load']['start']} "
              f"at start, {r['load']['end']} at end",
-             f"model: {r['model']['bytes'] / MB:.0f} MB bf16, {r['model']['tensors']} tensors; each delta: "
-             f"{first.get('changed_element_fraction', 0):.0%} of elements changed, compression ratio "
-             f"{first.get('compression_ratio')}"]
-    lines += _rates(r) + _sweep(r) + _refits(r) + _others(r)
+             f"model: {r['model']['bytes'] / MB:.0f} MB bf16, {r['model']['tensors']} tensors; each delta of the "
+             f"lineage: {first.get('changed_element_fraction', 0):.2%} of elements changed, {first.get('encoding')}, "
+             f"{first.get('encoded_fraction_of_model', 0):.2%} of the model"]
+    lines += _lineage(r) + sweep_table(r) + _rates(r) + _sweep(r) + _refits(r) + _others(r)
     lines += ["", "targets (measured / bound):"]
     for t in r["targets"]:
         verdict = {True: "met", False: "NOT met", None: "-"}[t["met"]]
-        lines.append(f"  [{verdict}] {t['target']}: {t['measured']} {t['unit']} vs {t['bound']} -> ratio {t['ratio']}")
+        lines.append(f"  [{verdict}] {t['target']}: {t['measured']} {t['unit']} vs {t['bound']} -> ratio {t['ratio']}"
+                     + (f"  ({t['note']})" if t.get("note") else ""))
     for e in r.get("errors", []):
         lines.append(f"ERROR in {e['step']}: {e['error'].splitlines()[0]}")
     return "\n".join(lines)

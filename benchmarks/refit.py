@@ -1,16 +1,27 @@
-"""Refit benchmark: where the receiver stands against the machine's own ceilings.
+"""Refit benchmark: where the receiver stands against the machine's own ceilings, on RL-sized revisions.
 
-    python -m benchmarks.refit                      # ~1 GB model, everything
-    python -m benchmarks.refit --size-mb 64 --prefect none
+    python -m benchmarks.refit                      # ~1 GB model, the RL sweep and every refit
+    python -m benchmarks.refit --quick              # 64 MB, a smaller sweep, no Prefect (about a minute)
 
-Builds, in a temporary folder, a transformer-shaped bf16 model and K+1 XOR
-deltas published to a local ``file://`` catalog, then measures in the same
-run: memcpy/XOR/checksum and zstd decode rates of those bytes, the patcher's
-apply throughput per thread count, a cold and a steady-state refit by stage
-(each in a child process, for its peak RSS), a catch-up of K deltas folded
-vs K one-delta refits (bytes dirtied, page faults), the straightforward
-baseline, a rate-limited store (fetch/apply overlap) and Prefect's overhead
-(ephemeral API and a local server). Prints a table, writes JSON and a PNG.
+Builds, in a temporary folder, a transformer-shaped bf16 model whose revisions
+are optimizer steps on fp32 master weights exported to bf16
+(``flows.synthetic.RLTrainer``), calibrated so a share of the bf16 elements
+changes by one ulp per step (2 % by default, what RL runs publish), published
+to a local ``file://`` catalog. Then measures in the same run:
+
+- the sweep (0.5, 1, 2, 5 % and a dense step): per revision the changed
+  share, the encoded bytes against the full checkpoint for ``--encoding auto``,
+  ``xor`` and the opt-in ``xor_gaps``, the publishing rate, the in-place apply
+  against a plain in-place XOR over the same bytes, and the pages dirtied;
+- memcpy/XOR/checksum and zstd decode rates, and the dense step's apply
+  throughput per thread count against threads x single-thread decode;
+- a cold and a steady-state refit by stage (each in a child process, for its
+  peak RSS), READY separately from the background write-back, a catch-up of K
+  deltas folded vs K one-delta refits (pages dirtied, faults), the
+  straightforward baseline, a rate-limited store (fetch/apply overlap) and
+  Prefect's overhead (ephemeral API and a local server).
+
+Prints every goal as met or not with its ratio, writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -33,10 +44,12 @@ from benchmarks import _render, _report, _throttle
 from benchmarks._baseline import fetch_revision
 from benchmarks._jobs import Jobs
 from benchmarks._meter import load_average
-from benchmarks._model import build
+from benchmarks._model import build, parse_share, share_label, sweep_steps
 from benchmarks._prefect import PrefectServer
-from benchmarks._rates import apply_once, apply_sweep, decode_rates, kernel_rates, load_manifests
+from benchmarks._rates import (apply_in_place, apply_sweep, decode_rates, decode_threads, kernel_rates,
+                               publish_rates, sweep_manifest, xor_reference)
 from benchmarks._scratch import DiskMeter, clone_store
+from storage.checkpoint import CheckpointIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -53,21 +66,35 @@ def _default_threads() -> str:
     return ",".join(map(str, steps))
 
 
+QUICK = {"size_mb": 64, "catch_up": 2, "prefect": "none", "kernel_mb": 16, "repeat": 1, "kernel_repeat": 2,
+         "sweep": "0.02,dense", "bandwidth_mb_s": 400}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.refit", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
+    add("--quick", action="store_true",
+        help="a small run: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items())
+             + " (flags given explicitly still win)")
     add("--size-mb", type=float, default=1000, help="model size in decimal MB of bf16 tensors")
-    add("--fraction", type=float, default=1.0,
-        help="share of elements an optimizer step perturbs (flows.synthetic.train_step)")
+    add("--share", default="0.02",
+        help="share of bf16 elements each published step changes (one ulp each; 'dense' for a dense step): "
+             "the lineage the refits replay")
+    add("--sweep", default="0.005,0.01,0.02,0.05,dense",
+        help="comma-separated shares of the sweep (bytes, publishing rate, apply vs in-place XOR); 'none' skips it")
     add("--lr", type=float, default=3e-3,
-        help="relative step size; 3e-3 gives bf16 XOR deltas compressing about 4.5x, the dense case")
+        help="relative step of the dense case; 3e-3 changes about 40 %% of the elements")
+    add("--encoding", default="auto", help="publisher encoding of the lineage (auto, xor, xor_sparse, overwrite, "
+                                           "or the opt-in xor_gaps)")
     add("--catch-up", type=int, default=5, metavar="K", help="deltas folded in the catch-up refit")
     add("--bucket-mib", type=int, default=256, help="decoded MiB per delta bucket (publisher)")
     add("--zstd-level", type=int, default=3, help="zstd level of the published frames")
     add("--threads", default=_default_threads(), help="comma-separated thread counts for the apply sweep")
     add("--apply-workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
         help="apply threads of the refits, the catch-up and the baseline")
+    add("--publish-workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
+        help="encoding threads of the publisher")
     add("--fetch-workers", type=int, default=8, help="concurrent downloads (ObjectStoreSettings.concurrency)")
     add("--bandwidth-mb-s", type=float, default=200,
         help="read bandwidth of the rate-limited throttled:// store in MB/s; 0 skips that part")
@@ -75,12 +102,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="which Prefect overhead measurements to run")
     add("--no-baseline", action="store_true", help="skip the straightforward baseline receiver")
     add("--kernel-mb", type=float, default=256, help="MB of tensor bytes for memcpy/XOR/checksum rates")
-    add("--repeat", type=int, default=2, help="runs per apply-sweep point (best is kept)")
+    add("--repeat", type=int, default=2, help="runs per apply/publish measurement (best is kept)")
     add("--kernel-repeat", type=int, default=3, help="runs per memcpy/XOR/checksum/decode rate (best is kept)")
     add("--workdir", type=Path, default=Path(tempfile.gettempdir()),
         help="where the temporary model, catalog and caches go (peak use about 9x the model size)")
     add("--memdir", type=Path, default=Path("/dev/shm") if Path("/dev/shm").is_dir() else None,
-        help="memory-backed folder for the apply sweep's checkpoint copy (isolates compute from writeback); "
+        help="memory-backed folder for the dense apply sweep's checkpoint copy (isolates compute from writeback); "
              "default /dev/shm, else --workdir")
     add("--json", type=Path, help="result file (default benchmarks/results/refit-<UTC time>.json)")
     add("--plot", type=Path, help="PNG of apply throughput vs threads (default: next to the JSON)")
@@ -88,11 +115,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--child-timeout", type=float, default=1800, help="seconds before a measured child process is killed")
     add("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
     args = p.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0] for a in argv if a.startswith("--")}
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
     args.thread_list = sorted({int(t) for t in args.threads.split(",") if t.strip()})
     if not args.thread_list or min(args.thread_list) < 1:
         p.error("--threads needs positive integers")
     if args.catch_up < 1 or args.size_mb <= 0:
         p.error("--catch-up must be >= 1 and --size-mb > 0")
+    try:
+        args.share_value = parse_share(str(args.share))
+        args.sweep_shares = [] if args.sweep.strip().lower() == "none" else [
+            parse_share(x) for x in args.sweep.split(",") if x.strip()]
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -169,29 +207,25 @@ class Bench:
         a, r = self.args, self.result
         deltas = a.catch_up + 1
         later = [f"r{k}" for k in range(2, deltas + 1)]
-        log("building model and catalog")
+        log(f"building model and catalog (each step changes {share_label(a.share_value)} of the elements, "
+            f"encoding {a.encoding})")
         t0 = time.perf_counter()
-        self.ws = ws = build(self.root, size_bytes=int(a.size_mb * 1e6), deltas=deltas, fraction=a.fraction,
-                             lr=a.lr, bucket_mib=a.bucket_mib, zstd_level=a.zstd_level,
-                             workers=max(1, min(8, os.cpu_count() or 1)), log=log)
+        self.ws = ws = build(self.root, size_bytes=int(a.size_mb * 1e6), deltas=deltas, share=a.share_value,
+                             dense_lr=a.lr, encoding=a.encoding, bucket_mib=a.bucket_mib, zstd_level=a.zstd_level,
+                             workers=a.publish_workers, log=log)
         self.jobs = jobs = Jobs(ws, apply_workers=a.apply_workers, fetch_workers=a.fetch_workers,
                                 timeout_s=a.child_timeout, after=self.disk.sample)
         r["model"], r["revisions"] = ws.model_json(), [x.to_json() for x in ws.revisions]
         r["build_s"] = round(time.perf_counter() - t0, 2)
         refits = r["refits"] = {}
         r["prefect"] = {"ephemeral": None, "server": None}
+        sizes = {t.name: t.nbytes for t in CheckpointIndex.open(ws.launch).tensors.values()}
 
         with self.step("single-thread rates"):
-            r["kernels"] = kernel_rates(ws.checkpoint_of("r1"), ws.delta_folder("r2"), int(a.kernel_mb * 1e6),
-                                        a.kernel_repeat)
-            r["decode"] = decode_rates({v: ws.delta_folder(v) for v in later}, "r2", a.kernel_repeat)
-        decode = (r.get("decode") or {}).get("single_thread_gb_s")
-        with self.step("apply sweep"):
-            r["apply_threads"] = apply_sweep(ws, "r2", a.thread_list, workdir=memdir, decode_gb_s=decode,
-                                             repeat=a.repeat, checksum_format="adler32", log=log)
-            manifests, folders = load_manifests(ws, ["r2"])
-            r["apply_disk"] = apply_once(ws.checkpoint_of("r1"), ws.scratch / "apply-disk", manifests, folders,
-                                         workers=a.apply_workers, checksum_format="adler32")
+            r["kernels"] = kernel_rates(ws.launch, ws.checkpoint_of("r1"), int(a.kernel_mb * 1e6), a.kernel_repeat)
+            r["decode"] = decode_rates({v: ws.delta_folder(v) for v in later}, "r2", a.kernel_repeat, sizes)
+        with self.step("RL sweep"):
+            r["sweep"] = self._sweep(memdir, sizes)
         with self.step("cold refit r0 -> r1"):
             refits["cold"] = jobs.plain("cold", ["r1"], restore=False)
             clone_store(ws.cache, ws.pristine)
@@ -220,6 +254,51 @@ class Bench:
                     r["baseline_throttled"] = jobs.baseline("baseline-throttled", "r2", throttled_url, rate)
         self._prefect(throttled_url, rate)
         r["overlap"] = _report.overlap(r, a.bandwidth_mb_s) if throttled_url else None
+
+    def _sweep(self, memdir: Path, sizes: dict[str, int]) -> list[dict]:
+        """One training step per share: bytes and publishing rate per publisher setting, apply in place against a
+        plain in-place XOR, pages dirtied; the dense step also gives the apply-vs-decode sweep over threads."""
+        a, r, ws = self.args, self.result, self.ws
+        rows = []
+        settings = {"auto": "auto", "xor": "xor", "xor_gaps": "xor_gaps"}
+        for step in sweep_steps(ws, a.sweep_shares, dense_lr=a.lr, log=log):
+            out = ws.scratch / "sweep-payloads"
+            row = {"share": step.label, "changed_element_share": step.changed_element_share,
+                   "changed_byte_share": step.changed_byte_share}
+            row["publish"] = publish_rates(step.base, step.target, settings, out, level=a.zstd_level,
+                                           workers=a.publish_workers, bucket_bytes=a.bucket_mib * 2**20,
+                                           repeat=a.repeat)
+            changed = sweep_manifest(Path(row["publish"]["xor"]["folder"])).weight_map
+            row["xor_reference"] = xor_reference(step.base, step.target, sorted(changed), ws.scratch / "reference",
+                                                 threads=sorted({1, a.apply_workers}), repeat=a.repeat)
+            row["apply"] = {}
+            for label, pub in row["publish"].items():
+                if label == "auto" and pub["encoding"] in settings and pub["level"] == a.zstd_level:
+                    row["apply"][label] = {"same_as": pub["encoding"]}
+                    continue
+                row["apply"][label] = apply_in_place(step.base, Path(pub["folder"]), ws.scratch / "apply",
+                                                     workers=a.apply_workers, repeat=a.repeat)
+            for label in row["apply"]:
+                if "same_as" in row["apply"][label]:
+                    row["apply"][label] = dict(row["apply"][row["apply"][label]["same_as"]])
+                row["apply"][label]["over_reference"] = round(
+                    row["apply"][label]["seconds"] / row["xor_reference"]["reference_s"], 3)
+            log(f"sweep {step.label}: " + "; ".join(
+                f"{k} {v['encoding']} {v['fraction_of_model']:.2%} at {v['gb_s']} GB/s, apply "
+                f"{row['apply'][k]['seconds']:.3f}s ({row['apply'][k]['over_reference']}x the in-place XOR)"
+                for k, v in row["publish"].items()))
+            if step.share is None:  # the dense step: apply throughput per thread count against decode
+                dense = Path(row["publish"]["xor"]["folder"])
+                r["decode_dense"] = decode_rates({"dense": dense}, "dense", a.kernel_repeat, sizes)
+                rate = r["decode_dense"]["single_thread_gb_s"]
+                r["decode_dense"]["threads"] = decode_threads(dense, a.apply_workers, sizes, a.kernel_repeat)
+                r["apply_threads"] = apply_sweep(step.base, [sweep_manifest(dense)], {"s1": dense}, a.thread_list,
+                                                 workdir=memdir, decode_gb_s=rate, repeat=a.repeat,
+                                                 checksum_format="adler32", log=log, label="the dense step")
+                r["apply_disk"] = dict(row["apply"]["xor"], threads=a.apply_workers)
+            shutil.rmtree(out, ignore_errors=True)
+            rows.append(row)
+        return rows
 
     def _fetch_only(self, url: str, rate: float) -> dict:
         """The revision's files downloaded alone through the rate-limited store (same concurrency)."""

@@ -120,16 +120,31 @@ class RLTrainer:
     so the bf16 export changes where the rounding flips — ``share`` of the
     elements, each by one ulp — which is what measured RL runs publish
     (1–3 % of bf16 elements per step). ``share=None`` is the dense case: a
-    step of ``dense_lr`` relative to each weight (about 40 % of elements change).
+    step of ``dense_lr`` relative to each weight (``dense_lr=3e-3`` changes
+    about 40 % of the elements, like ``train_step``'s default benchmark step).
+
+    Memory: the fp32 masters (twice the bf16 model) plus one tensor's
+    temporaries; a step costs a few vectorized passes per tensor.
     """
 
     def __init__(self, tensors: dict[str, np.ndarray], seed: int = 0):
         self.rng = np.random.default_rng(seed)
-        self.master = {}
-        for name, bits in tensors.items():  # fp32 masters lie anywhere inside their bf16 rounding interval
-            values = from_bf16(bits).copy()
-            offset = self.rng.random(values.shape, dtype=np.float32) - np.float32(0.5)
-            self.master[name] = values + bf16_ulp(values) * np.float32(0.999) * offset
+        self.master = {name: self._inside(bits) for name, bits in tensors.items()}
+
+    def _inside(self, bits: np.ndarray) -> np.ndarray:
+        """fp32 masters anywhere strictly inside the rounding interval of each bf16 value (so they export to
+        ``bits`` exactly; the interval is narrower below a power of two, whose lower neighbour is closer)."""
+        values = from_bf16(bits)
+        below = from_bf16((bits - np.uint16(1)).astype(np.uint16))
+        above = from_bf16((bits + np.uint16(1)).astype(np.uint16))
+        low = (values + below) * np.float32(0.5)  # midpoints of adjacent bf16 values are exact in fp32
+        width = (values + above) * np.float32(0.5) - low
+        where = self.rng.random(values.shape, dtype=np.float32) * np.float32(0.9998) + np.float32(0.0001)
+        master = low + width * where  # never exactly on a rounding tie
+        plain = ((bits & np.uint16(0x7FFF)) == 0) | ((bits & np.uint16(0x7F80)) == 0x7F80) | \
+            ((bits & np.uint16(0x7FFF)) == 0x7F7F)  # zeros, inf/nan, the largest finite: stay as they are
+        master[plain] = values[plain]
+        return master
 
     def step(self, share: float | None = 0.02, *, dense_lr: float = 1e-2) -> dict[str, np.ndarray]:
         """Advance one step and return the bf16 export ``{name: uint16 array}``."""
@@ -139,19 +154,33 @@ class RLTrainer:
                 values += self.rng.standard_normal(values.shape, dtype=np.float32) * dense_lr * (np.abs(values)
                                                                                                  + 1e-3)
             else:
-                values += bf16_ulp(values) * np.float32(share) * self.rng.choice(
-                    np.array([-1, 1], dtype=np.float32), size=values.shape)
+                step = bf16_ulp(values)
+                step *= np.float32(share)
+                step.view(np.uint32)[...] ^= self._random_signs(values.shape)  # +-share ulp, half each way
+                values += step
             out[name] = to_bf16(values)
         return out
+
+    def _random_signs(self, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 sign bit (0 or 0x80000000 as uint32) per element, each set with probability 1/2."""
+        count = int(np.prod(shape))
+        bits = np.unpackbits(self.rng.integers(0, 256, -(-count // 8), dtype=np.uint8))[:count]
+        return (bits.astype(np.uint32) << np.uint32(31)).reshape(shape)
 
     def export(self) -> dict[str, np.ndarray]:
         return {name: to_bf16(values) for name, values in self.master.items()}
 
 
 def bf16_ulp(values: np.ndarray) -> np.ndarray:
-    """The spacing of bf16 numbers at each value (float32)."""
-    exponent = ((values.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)).astype(np.int32)
-    return np.ldexp(np.float32(1.0), np.maximum(exponent, 1) - 127 - 7).astype(np.float32)
+    """The spacing of bf16 numbers at each value (float32): 2**(exponent - 7); 2**-133 for subnormals."""
+    exponent = values.view(np.uint32) & np.uint32(0x7F800000)
+    tiny = exponent < np.uint32(8 << 23)  # the spacing is itself subnormal in float32: rare, done exactly
+    exponent -= np.uint32(7 << 23)
+    ulp = exponent.view(np.float32)
+    if tiny.any():
+        raw = (values[tiny].view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)
+        ulp[tiny] = np.ldexp(np.float32(1.0), np.maximum(raw.astype(np.int32), 1) - 134).astype(np.float32)
+    return ulp
 
 
 def changed_share(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> float:

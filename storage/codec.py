@@ -1,7 +1,7 @@
-"""Delta frames: encode on the publisher, validate and apply on the receiver (docs/format.md, section 5).
+"""Delta frames: validate and apply on the receiver (docs/format.md, section 5); encoding is in storage.encoding.
 
 A tensor delta is one zstd frame. Dense ``xor`` decodes to the XOR of base and
-target bytes; ``xor_sparse`` and ``overwrite`` decode to a record of byte
+target bytes; ``xor_sparse``, ``overwrite`` (and the opt-in ``xor_gaps``) decode to a record of byte
 positions and values. Receivers validate a frame's structure before decoding
 it (one frame, exact length, declared sizes), decode in bounded blocks, and
 never write past the tensor. Sparse records (``storage.sparse``) are validated
@@ -15,49 +15,26 @@ import struct
 from typing import Protocol
 
 import numpy as np
-import zstandard
 
+from storage.changes import DenseChange, SparseChange
 from storage.errors import CodecError
-from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
+from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame
+from storage.gaps import GAPS, gaps_record, validate_gaps
 from storage.sparse import SparseOverwrite, SparseXor, validate_sparse
 
-ENCODE_BLOCK = 16 * 2**20
+DENSE_PAGES_RATIO = 1 / 16  # a dense frame over this share of its tensor changes practically every page
 _MAX_POSITIONS = {"xor_sparse": 2**64 - 1, "overwrite": 2**32 - 1}
 
 
-# --- encoding (publisher) -----------------------------------------------------------------
-
-
-def encode_delta(base: np.ndarray, target: np.ndarray, encoding: str, *, level: int = 3) -> bytes:
-    """One zstd frame encoding ``target`` against ``base`` (1-D uint8 arrays of equal size)."""
-    if base.shape != target.shape:
-        raise ValueError("base and target must have the same size")
-    cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    if encoding == "xor":
-        return _encode_dense_xor(cctx, base, target)
-    if encoding in ("xor_sparse", "overwrite"):
-        return cctx.compress(sparse_record(base, target, encoding))
-    raise ValueError(f"unknown delta encoding {encoding!r}")
-
-
-def _encode_dense_xor(cctx: zstandard.ZstdCompressor, base: np.ndarray, target: np.ndarray) -> bytes:
-    n = base.size
-    obj = cctx.compressobj(size=n)
-    parts = []
-    scratch = np.empty(min(n, ENCODE_BLOCK), dtype=np.uint8)
-    for start in range(0, n, ENCODE_BLOCK):
-        end = min(n, start + ENCODE_BLOCK)
-        block = scratch[: end - start]
-        np.bitwise_xor(base[start:end], target[start:end], out=block)
-        parts.append(obj.compress(block))
-    parts.append(obj.flush())
-    return b"".join(parts)
+# --- the uncompressed record of one tensor's change (the publisher encodes in storage.encoding) ---
 
 
 def sparse_record(base: np.ndarray, target: np.ndarray, encoding: str) -> bytes:
-    """The uncompressed ``xor_sparse`` / ``overwrite`` record of the changed bytes."""
-    fmt, _, pos_dtype = _HEADER[encoding]
+    """The uncompressed ``xor_sparse`` / ``overwrite`` / ``xor_gaps`` record of the changed bytes."""
     positions = np.flatnonzero(base != target)
+    if encoding == GAPS:
+        return gaps_record(positions, base[positions] ^ target[positions])
+    fmt, _, pos_dtype = _HEADER[encoding]
     if encoding == "overwrite" and base.size > _MAX_POSITIONS["overwrite"] + 1:
         raise ValueError("overwrite records address at most 4 GiB per tensor")
     values = target[positions] if encoding == "overwrite" else base[positions] ^ target[positions]
@@ -79,12 +56,20 @@ def validate_frame(encoding: str, frame, nbytes: int, **context) -> ValidatedFra
         return ValidatedFrame("xor", nbytes, memoryview(frame).nbytes)
     if encoding in _HEADER:
         return validate_sparse(encoding, frame, nbytes, context)
+    if encoding == GAPS:
+        return validate_gaps(frame, nbytes, context)
     raise CodecError(f"unsupported delta encoding {encoding!r}", **context)
 
 
 class Decoder(Protocol):
-    """Applies one revision's delta of one tensor block by block, in order."""
+    """Applies one revision's delta of one tensor block by block, in order.
 
+    ``changes`` decodes the next block without writing anything (None: the
+    block does not change), so the patcher can map exactly the pages that
+    will be written; ``apply`` is ``changes`` then writing them.
+    """
+
+    def changes(self, offset: int, size: int) -> DenseChange | SparseChange | None: ...
     def apply(self, block: np.ndarray, offset: int) -> None: ...
     def finish(self) -> None: ...
     def close(self) -> None: ...
@@ -100,16 +85,22 @@ class DenseXor:
             _expect_output(inspect_frame(frame, **context), nbytes, **context)
         self._reader = _Reader(frame, context)
         self._scratch = np.empty(min(block_size, max(nbytes, 1)), dtype=np.uint8)
+        # a frame this large changes nearly every page: do not look for unchanged pages
+        self._all_pages = memoryview(frame).nbytes > nbytes * DENSE_PAGES_RATIO
 
-    def apply(self, block: np.ndarray, offset: int) -> None:
-        n = block.size
-        scratch = self._scratch[:n]
+    def changes(self, offset: int, size: int) -> DenseChange:
+        if size > self._scratch.size:  # a caller's block larger than promised: grow once
+            self._scratch = np.empty(size, dtype=np.uint8)
+        scratch = self._scratch[:size]
         got = self._reader.read_into(memoryview(scratch))
-        if got != n:
+        if got != size:
             raise CodecError(
                 f"dense frame decodes to only {offset + got} bytes, the tensor has {self.nbytes}", **self.context
             )
-        np.bitwise_xor(block, scratch, out=block)
+        return DenseChange(scratch, self._all_pages)
+
+    def apply(self, block: np.ndarray, offset: int) -> None:
+        self.changes(offset, block.size).apply(block)
 
     def finish(self) -> None:
         try:
@@ -137,6 +128,6 @@ def make_decoder(encoding: str, frame, nbytes: int, *, block_size: int,
         raise ValueError(f"validated summary {validated} does not describe this {encoding!r} frame")
     if encoding == "xor":
         return DenseXor(frame, nbytes, block_size, validated=validated, **context)
-    if encoding == "xor_sparse":
+    if encoding in ("xor_sparse", GAPS):
         return SparseXor(frame, nbytes, validated=validated, **context)
     return SparseOverwrite(frame, nbytes, validated=validated, **context)

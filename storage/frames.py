@@ -159,7 +159,9 @@ class ValidatedFrame:
 
     ``count`` is a sparse record's number of entries (None for dense ``xor``);
     ``ordered`` says its positions never decrease, so it can be applied while
-    it streams (an unordered ``overwrite`` record is decoded whole, hence capped).
+    it streams (an unordered ``overwrite`` record is decoded whole, hence capped);
+    ``positions_bytes`` is the length of an ``xor_gaps`` record's varint
+    section (its values start at ``8 + positions_bytes``), None otherwise.
     """
 
     encoding: str
@@ -167,3 +169,4 @@ class ValidatedFrame:
     frame_size: int
     count: int | None = None
     ordered: bool = True
+    positions_bytes: int | None = None

@@ -13,7 +13,7 @@ from storage.errors import FormatError, ManifestError
 from storage.urls import join_url, parent_url
 
 MAX_INDEX_BYTES = 64 * 2**20
-DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite")
+DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.gaps
 DELTA_INDEX_FILE = "delta.safetensors.index.json"
 
 

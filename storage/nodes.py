@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 
 from storage.digests import canonical_json
@@ -63,19 +64,34 @@ def write_node_record(objects: ObjectStore, catalog: str, record: NodeRecord) ->
     return url
 
 
-def read_node_records(objects: ObjectStore, catalog: str, model: str) -> tuple[list[NodeRecord], list[str]]:
-    """Every node's record of ``model`` (sorted by node), and the objects that could not be read, in words."""
+def read_node_records(objects: ObjectStore, catalog: str, model: str, *,
+                      workers: int | None = None) -> tuple[list[NodeRecord], list[str]]:
+    """Every node's record of ``model`` (sorted by node), and the objects that could not be read, in words.
+
+    The records are read ``workers`` at a time (default: the object store's connection budget): a fleet of
+    a thousand nodes is a thousand small reads, which one at a time would take tens of seconds.
+    """
     base = nodes_url(catalog, model)
-    records, problems = [], []
-    names = {f.name for f in fields(NodeRecord)}
-    for name in objects.list_names(base, ".json"):
+    fieldnames = {f.name for f in fields(NodeRecord)}
+
+    def read(name: str) -> NodeRecord | str:
         url = join_url(base, name)
         try:
             raw = json.loads(objects.read_bytes(url, max_size=MAX_RECORD_BYTES))
-            record = NodeRecord(**{k: v for k, v in raw.items() if k in names})
+            record = NodeRecord(**{k: v for k, v in raw.items() if k in fieldnames})
             if record.model != model or f"{record.node}.json" != name:
                 raise ValueError("names another node or model")
-            records.append(record)
+            return record
         except (ValueError, TypeError, AttributeError) as exc:
-            problems.append(f"{url}: {exc}")
+            return f"{url}: {exc}"
+
+    names = objects.list_names(base, ".json")
+    if len(names) <= 1:
+        outcomes = [read(name) for name in names]
+    else:
+        with ThreadPoolExecutor(min(len(names), workers or objects.settings.concurrency),
+                                thread_name_prefix="node-records") as pool:
+            outcomes = list(pool.map(read, names))
+    records = [o for o in outcomes if isinstance(o, NodeRecord)]
+    problems = [o for o in outcomes if isinstance(o, str)]
     return sorted(records, key=lambda r: r.node), problems

@@ -3,10 +3,10 @@
 ``bucket_steps`` validates one bucket (header, metadata, checksums, frame
 structure, sparse records) before any of its bytes are used; ``plan_patches``
 does it for every bucket of a chain and groups the frames into one
-``TensorPlan`` per changed tensor. ``apply_patches`` streams each tensor once:
-for every bounded block it folds the block through the tensor's K decoders in
-revision order, updating each revision's checksum on the running value, and
-writes the block once. Plans may arrive while buckets are still downloading
+``TensorPlan`` per changed tensor. ``apply_patches`` streams each tensor once
+(``storage.applier``): for every bounded block it folds the block through the
+tensor's K decoders in revision order, updating each revision's checksum on
+the running value, and writes only the pages some revision changes. Plans may arrive while buckets are still downloading
 (``PlanSource``). If anything fails, the bytes already patched can be undone in
 place: XOR deltas are their own inverse, and overwritten bytes were saved.
 """
@@ -15,25 +15,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
-import numpy as np
-
+from storage.applier import Maps, Progress, apply_tensor, undo
 from storage.cancel import StopToken
 from storage.checkpoint import CheckpointIndex, TensorLocation
-from storage.codec import Decoder, ValidatedFrame, make_decoder, validate_frame
-from storage.digests import is_checksum, new_checksum
-from storage.errors import Cancelled, ChecksumMismatch, CodecError, ManifestError, RefitError
-from storage.killpoints import killpoint
+from storage.codec import ValidatedFrame, validate_frame
+from storage.digests import is_checksum
+from storage.errors import Cancelled, CodecError, ManifestError, RefitError
 from storage.manifests import Manifest
-from storage.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
+from storage.mapped import MappedFiles
 from storage.safetensors import read_header
 
 log = logging.getLogger("canonical_refit.patcher")
-BLOCK_SIZE = 2**20  # per tensor block: the block and each decoder's scratch stay in cache
-MIN_FOLD_BLOCK = 256 * 2**10
+BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
+MIN_FOLD_BLOCK = 2**20
 
 
 @dataclass(frozen=True)
@@ -175,67 +173,6 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
     return out
 
 
-class _Maps:
-    """The checkpoint's shards mapped writable; buckets read-only, mapped as they arrive."""
-
-    def __init__(self, folder: Path):
-        self.shards = MappedFiles(folder, writable=True)
-        self._lock = threading.Lock()
-        self._buckets: dict[Path, MappedFiles] = {}
-
-    def _bucket(self, step: PatchStep) -> np.ndarray:
-        with self._lock:
-            files = self._buckets.get(step.bucket.parent)
-            if files is None:
-                files = self._buckets[step.bucket.parent] = MappedFiles(step.bucket.parent)
-        return files.array(step.bucket.name)
-
-    def frame(self, step: PatchStep) -> memoryview:
-        view = self._bucket(step)
-        advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
-        return memoryview(view)[step.start : step.end]
-
-    def release_frame(self, step: PatchStep) -> None:
-        advise(self._bucket(step), step.start, step.end - step.start, MADV_DONTNEED)
-
-    def block(self, location: TensorLocation, offset: int, size: int) -> np.ndarray:
-        """A writable, pre-faulted view of ``size`` bytes of the tensor from ``offset``."""
-        size = min(size, location.nbytes - offset)
-        self.shards.advise(location.file, location.offset + offset, size, MADV_POPULATE_WRITE)
-        start = location.offset + offset
-        return self.shards.array(location.file)[start : start + size]
-
-    def release_block(self, location: TensorLocation, offset: int, size: int) -> None:
-        self.shards.advise(location.file, location.offset + offset, min(size, location.nbytes - offset),
-                           MADV_DONTNEED)
-
-    def flush(self) -> None:
-        self.shards.flush()
-
-    def close(self) -> None:
-        """Drop every mapping now (not at garbage collection): a mapping pins its filesystem."""
-        self.shards.close()
-        with self._lock:
-            buckets, self._buckets = list(self._buckets.values()), {}
-        for files in buckets:
-            files.close()
-
-
-@dataclass
-class _Progress:
-    """How far one tensor got: whole blocks, then steps into the block being patched."""
-
-    plan: TensorPlan
-    block_size: int
-    decoders: list[Decoder] = field(default_factory=list)
-    blocks: int = 0
-    steps_in_block: int = 0
-
-    @property
-    def touched(self) -> bool:
-        return self.blocks > 0 or self.steps_in_block > 0
-
-
 def apply_patches(
     checkpoint: CheckpointIndex,
     source: PlanSource | Sequence[TensorPlan],
@@ -247,6 +184,7 @@ def apply_patches(
     undo_to: Mapping[str, str] | None = None,
     undo_format: str | None = None,
     stop: StopToken | None = None,
+    stats: dict | None = None,
 ) -> dict[str, str]:
     """Apply every plan in place to ``checkpoint``; returns each patched tensor's final checksum.
 
@@ -261,6 +199,10 @@ def apply_patches(
     reverted and re-hashed against it: the raised error has ``undone = True``
     when the checkpoint holds the base again, ``False`` when it could not be
     proven (the caller rebuilds).
+
+    A page no step changes is never written (it stays clean); ``stats``, if
+    given, receives ``pages_written`` (pages mapped writable, hence dirtied),
+    ``blocks`` and ``blocks_unchanged``.
     """
     if isinstance(source, (list, tuple)):
         source = StaticPlans(source)
@@ -268,8 +210,8 @@ def apply_patches(
     if not names:
         return {}
     halt = stop.child() if stop is not None else StopToken()  # stopped by the run, or by a failed worker
-    maps = _Maps(checkpoint.folder)
-    progresses: list[_Progress] = []
+    maps = Maps(checkpoint.folder)
+    progresses: list[Progress] = []
     lock = threading.Lock()
     failures: list[BaseException] = []
     results: dict[str, str] = {}
@@ -278,10 +220,10 @@ def apply_patches(
         plan = source.plan(name)
         # folding K deltas keeps K scratch blocks live: shrink the block so they still fit in cache
         size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
-        state = _Progress(plan, size)
+        state = Progress(plan, size)
         with lock:
             progresses.append(state)
-        digest = _apply_tensor(maps, state, target_checksum_format, progress, halt)
+        digest = apply_tensor(maps, state, target_checksum_format, progress, halt)
         with lock:
             results[name] = digest
 
@@ -312,12 +254,16 @@ def apply_patches(
     except BaseException as exc:
         error = _mark_mutated(exc)
         if undo_to is not None:
-            error.undone = _undo(maps, [p for p in progresses if p.touched], undo_to,
-                                 undo_format or target_checksum_format, checkpoint)
+            error.undone = undo(maps, [p for p in progresses if p.touched], undo_to,
+                                undo_format or target_checksum_format, checkpoint, log)
         raise error
     finally:
         halt.close()
         maps.close()
+        if stats is not None:
+            stats.update(pages_written=sum(p.pages_written for p in progresses),
+                         blocks=sum(p.blocks for p in progresses),
+                         blocks_unchanged=sum(p.blocks_unchanged for p in progresses))
 
 
 def _join_all(threads: list[threading.Thread], *, on_interrupt: Callable[[BaseException], None]) -> None:
@@ -349,80 +295,3 @@ def _mark_mutated(exc: BaseException) -> BaseException:
     wrapped = CodecError(f"apply failed: {type(exc).__name__}: {exc}", mutation_started=True)
     wrapped.__cause__ = exc
     return wrapped
-
-
-def _apply_tensor(maps: _Maps, state: _Progress, target_format: str, progress, halt: StopToken) -> str:
-    plan, block_size = state.plan, state.block_size
-    location = plan.location
-    name = location.name
-    state.decoders = [
-        make_decoder(s.encoding, maps.frame(s), location.nbytes, block_size=block_size, validated=s.validated,
-                     **s.context(name))
-        for s in plan.steps
-    ]
-    hashes = [new_checksum(s.checksum_format) for s in plan.steps]
-    final_in_own_format = plan.steps[-1].checksum_format == target_format
-    final = hashes[-1] if final_in_own_format else new_checksum(target_format)
-    for offset in range(0, location.nbytes, block_size):
-        halt.check(tensor=name, mutation_started=True)
-        block = maps.block(location, offset, block_size)
-        for i, (decoder, h) in enumerate(zip(state.decoders, hashes)):
-            decoder.apply(block, offset)
-            state.steps_in_block = i + 1
-            h.update(block)
-        state.blocks, state.steps_in_block = state.blocks + 1, 0
-        if not final_in_own_format:
-            final.update(block)
-        maps.release_block(location, offset, block_size)
-        if progress:
-            progress(block.size * len(state.decoders))
-        killpoint("apply.block")
-    for decoder in state.decoders:
-        decoder.finish()
-    for step in plan.steps:
-        maps.release_frame(step)
-    # only overwrite decoders are needed to undo (they hold the replaced bytes); let the others go
-    state.decoders = [d if s.encoding == "overwrite" else None for s, d in zip(plan.steps, state.decoders)]
-    for step, h in zip(plan.steps, hashes):
-        got = h.hexdigest()
-        if got != step.checksum:
-            raise ChecksumMismatch(
-                f"tensor bytes hash to {got} after applying the delta, the bucket says {step.checksum}",
-                mutation_started=True, **step.context(name),
-            )
-    return final.hexdigest()
-
-
-def _undo(maps: _Maps, touched: list[_Progress], base: Mapping[str, str], fmt: str,
-          checkpoint: CheckpointIndex) -> bool:
-    """Revert every patched byte, newest step first within each block; True if the base hashes are back.
-
-    XOR steps are undone by applying the same frame again (fresh decoders);
-    ``overwrite`` steps restore the bytes their decoder saved before writing.
-    """
-    try:
-        for state in touched:
-            plan, name, block_size = state.plan, state.plan.location.name, state.block_size
-            fresh = [d if s.encoding == "overwrite" else
-                     make_decoder(s.encoding, maps.frame(s), plan.location.nbytes, block_size=block_size,
-                                  validated=s.validated, **s.context(name))
-                     for s, d in zip(plan.steps, state.decoders)]
-            last = state.blocks + (1 if state.steps_in_block else 0)
-            for b in range(last):
-                offset = b * block_size
-                block = maps.block(plan.location, offset, block_size)
-                depth = len(plan.steps) if b < state.blocks else state.steps_in_block
-                for i in reversed(range(depth)):
-                    if plan.steps[i].encoding == "overwrite":
-                        fresh[i].undo(block, offset)
-                    else:
-                        fresh[i].apply(block, offset)
-        names = [s.plan.location.name for s in touched]
-        now = checkpoint.checksums(fmt, names=names, workers=2) if names else {}
-        ok = all(now[n] == base.get(n) for n in names)
-        if not ok:
-            log.error("undo did not restore the base checksums of %s", [n for n in names if now[n] != base.get(n)])
-        return ok
-    except Exception as exc:  # an undo that cannot finish is reported, and the caller rebuilds instead
-        log.error("could not undo the partial apply: %s", exc)
-        return False

@@ -11,28 +11,29 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-import numpy as np
-
 from storage.catalog import SCHEMA, Catalog, Revision
 from storage.checkpoint import INDEX_FILE, CheckpointIndex, TensorLocation, require_same_layout
-from storage.codec import encode_delta, sparse_size
-from storage.digests import canonical_json, checksum_bytes, snapshot_digest
+from storage import autoselect
+from storage.autoselect import Choice
+from storage.encoding import CANONICAL, EXTENDED, Encoded, Encoder, FileSlice, Setting
+from storage.digests import canonical_json, snapshot_digest
 from storage.durable import atomic_write_json, copy_tree_files, file_identity, read_json_file, remove_tree
 from storage.errors import LineageError, ObjectNotFound
 from storage.manifests import DELTA_INDEX_FILE
-from storage.mapped import MappedFiles
 from storage.objects import ObjectStore
 from storage.urls import join_url
 from storage.safetensors import encode_header, write_safetensors
 
 log = logging.getLogger("canonical_refit.publisher")
-OVERWRITE_MAX_TENSOR = 2**32
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ class Payload:
     encoded_bytes: int = 0
     encoding: str | None = None
     checksums: dict = field(default_factory=dict)
+    level: int | None = None  # zstd level of a delta's frames
+    auto: Choice | None = None  # what --encoding auto measured, when it chose
+    changed_bytes: int | None = None  # bytes that differ from the base (counted by the sparse encodings)
 
     @property
     def compression_ratio(self) -> float:
@@ -76,45 +80,57 @@ class Payload:
 
 
 class _Tensors:
-    """Read-only views of a checkpoint's tensors (its shards mapped once)."""
+    """A checkpoint's tensors as ``FileSlice``s of its shards (each shard opened once, read with pread)."""
 
     def __init__(self, index: CheckpointIndex):
-        self._files = MappedFiles(index.folder)
+        self._folder = index.folder
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
-    def tensor(self, location: TensorLocation) -> np.ndarray:
-        return self._files.array(location.file)[location.offset: location.offset + location.nbytes]
+    def tensor(self, location: TensorLocation) -> FileSlice:
+        with self._lock:
+            fd = self._fds.get(location.file)
+            if fd is None:
+                fd = self._fds[location.file] = os.open(self._folder / location.file, os.O_RDONLY)
+        return FileSlice(fd, location.offset, location.nbytes)
 
     def close(self) -> None:
-        self._files.close()
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
 
 
-def choose_encoding(base: Snapshot, target: CheckpointIndex, requested: str, *, workers: int) -> str:
-    """``requested``, or for ``auto`` a sparse encoding when it is clearly smaller than dense XOR.
+def choose_setting(base: Snapshot, target: CheckpointIndex, requested: str, *, level: int, workers: int,
+                   allow_extended: bool = False) -> tuple[Setting, Choice | None]:
+    """The encoding and zstd level to publish with; for ``auto``, measured on a sample (``storage.autoselect``).
 
-    Dense bf16 deltas compress about 4x; a sparse record is chosen only when
-    its raw size is under an eighth of the changed tensors' bytes.
+    ``auto`` considers the canonical encodings only, unless ``allow_extended``
+    (then ``xor_gaps`` too: receivers must know it). A named encoding is used
+    as named, at ``level``.
     """
     if requested != "auto":
-        return requested
+        if requested not in CANONICAL + EXTENDED:
+            raise ValueError(f"unknown delta encoding {requested!r} (known: auto, {', '.join(CANONICAL + EXTENDED)})")
+        return Setting(requested, level), None
     bmaps, tmaps = _Tensors(base.index), _Tensors(target)
-
-    def count(name: str) -> tuple[int, int]:
-        b, t = bmaps.tensor(base.index.tensors[name]), tmaps.tensor(target.tensors[name])
-        changed = int(np.count_nonzero(b != t))
-        return changed, (b.size if changed else 0)
-
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            counts = list(pool.map(count, sorted(target.tensors)))
+        names = sorted(target.tensors)
+        choice = autoselect.choose(
+            lambda n: (bmaps.tensor(base.index.tensors[n]), tmaps.tensor(target.tensors[n])),
+            [(n, target.tensors[n].nbytes) for n in names], level, extended=allow_extended, workers=workers)
     finally:
         bmaps.close(), tmaps.close()
-    changed = sum(c for c, _ in counts)
-    dense = sum(n for _, n in counts)
-    if not changed:
-        return "xor"
-    small = all(t.nbytes <= OVERWRITE_MAX_TENSOR for t in target.tensors.values())
-    sparse = "overwrite" if small else "xor_sparse"
-    return sparse if sparse_size(changed, sparse) * 8 < dense else "xor"
+    log.info("auto encoding: %s (sampled %.1f MB; frame bytes per sampled byte: %s)", choice.setting,
+             choice.sampled_bytes / 1e6, ", ".join(f"{k} {v:.2%}" for k, v in choice.ratios().items()))
+    return choice.setting, choice
+
+
+def choose_encoding(base: Snapshot, target: CheckpointIndex, requested: str, *, workers: int, level: int = 3,
+                    allow_extended: bool = False) -> str:
+    """``requested``, or for ``auto`` the encoding whose frames are smallest on a sample of this revision."""
+    return choose_setting(base, target, requested, level=level, workers=workers,
+                          allow_extended=allow_extended)[0].encoding
 
 
 def stage_delta(
@@ -129,28 +145,34 @@ def stage_delta(
     bucket_max_bytes: int,
     workers: int,
     progress: Callable[[int], None] | None = None,
+    allow_extended: bool = False,
 ) -> Payload:
     """Encode every changed tensor of ``target`` against ``base`` into buckets under ``folder``.
 
     Tensors are visited in name order and packed into buckets of at most
     ``bucket_max_bytes`` decoded bytes (a larger tensor gets its own);
-    unchanged tensors are omitted. Memory holds one window of frames at a time.
+    unchanged tensors are omitted. ``workers`` threads encode tensors ahead
+    (results taken in name order), each in one pass over base and target
+    (``storage.encoding``). Memory holds the frames of the tensors in flight.
     """
     require_same_layout(base.index.layout(), target.layout(), revision=version, file=str(target.folder))
-    encoding = choose_encoding(base, target, encoding, workers=workers)
+    setting, choice = choose_setting(base, target, encoding, level=level, workers=workers,
+                                     allow_extended=allow_extended)
     remove_tree(folder)
     folder.mkdir(parents=True)
-    payload = Payload(folder, DELTA_INDEX_FILE, encoding=encoding, checksums=dict(base.checksums))
+    payload = Payload(folder, DELTA_INDEX_FILE, encoding=setting.encoding, checksums=dict(base.checksums),
+                      level=setting.level, auto=choice)
     bmaps, tmaps = _Tensors(base.index), _Tensors(target)
     weight_map: dict[str, str] = {}
     bucket: list[tuple[str, bytes, str]] = []
     bucket_decoded = 0
+    local = threading.local()
 
-    def encode(name: str) -> tuple[str, bytes | None, str | None]:
-        b, t = bmaps.tensor(base.index.tensors[name]), tmaps.tensor(target.tensors[name])
-        if np.array_equal(b, t):
-            return name, None, None
-        return name, encode_delta(b, t, encoding, level=level), checksum_bytes(base.checksum_format, t)
+    def encode(name: str) -> Encoded:
+        encoder = getattr(local, "encoder", None) or Encoder()
+        local.encoder = encoder
+        return encoder.encode(bmaps.tensor(base.index.tensors[name]), tmaps.tensor(target.tensors[name]), setting,
+                              checksum_format=base.checksum_format)
 
     def flush() -> None:
         nonlocal bucket, bucket_decoded
@@ -165,43 +187,75 @@ def stage_delta(
             weight_map[tensor] = name
         bucket, bucket_decoded = [], 0
 
-    names = sorted(target.tensors)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="encode") as pool:
-        for window in _windows(names, target, bucket_max_bytes):
-            for name, frame, checksum in pool.map(encode, window):
+    try:
+        with _pool(workers) as pool:
+            for name, encoded in _in_order(pool, encode, sorted(target.tensors), target, bucket_max_bytes, workers):
                 nbytes = target.tensors[name].nbytes
                 if progress:
                     progress(nbytes)
-                if frame is None:
+                if encoded.frame is None:
                     continue
                 if bucket and bucket_decoded + nbytes > bucket_max_bytes:
                     flush()
-                bucket.append((name, frame, checksum))
+                bucket.append((name, encoded.frame, encoded.checksum))
                 bucket_decoded += nbytes
                 payload.changed.append(name)
-                payload.checksums[name] = checksum
+                payload.checksums[name] = encoded.checksum
                 payload.decoded_bytes += nbytes
-                payload.encoded_bytes += len(frame)
-    bmaps.close(), tmaps.close()
+                payload.encoded_bytes += len(encoded.frame)
+                if encoded.changed_bytes is not None:
+                    payload.changed_bytes = (payload.changed_bytes or 0) + encoded.changed_bytes
+    finally:
+        bmaps.close(), tmaps.close()
     flush()
-    index = {"metadata": {"version": version, "base_version": base_version, "delta_encoding": encoding,
+    index = {"metadata": {"version": version, "base_version": base_version, "delta_encoding": setting.encoding,
                           "compression_format": "zstd", "checksum_format": base.checksum_format},
              "weight_map": weight_map}
     (folder / DELTA_INDEX_FILE).write_bytes(canonical_json(index))
     return payload
 
 
-def _windows(names: list[str], index: CheckpointIndex, limit: int):
-    window, size = [], 0
-    for name in names:
-        nbytes = index.tensors[name].nbytes
-        if window and size + nbytes > limit:
-            yield window
-            window, size = [], 0
-        window.append(name)
-        size += nbytes
-    if window:
-        yield window
+class _Inline:
+    """A pool of one that runs each task when it is submitted: a single worker needs no thread."""
+
+    def __enter__(self) -> "_Inline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # delivered in order by result(), as from a thread
+            future.set_exception(exc)
+        return future
+
+
+def _pool(workers: int):
+    return _Inline() if workers <= 1 else ThreadPoolExecutor(max_workers=workers, thread_name_prefix="encode")
+
+
+def _in_order(pool, fn, names: list[str], index: CheckpointIndex, limit: int, workers: int):
+    """``(name, fn(name))`` in ``names`` order, computed ahead by ``pool``.
+
+    Up to ``limit`` decoded bytes (and at least ``workers + 1`` tensors) are in
+    flight, so a large tensor does not leave the other threads idle while
+    memory stays bounded by the frames in flight.
+    """
+    pending: deque = deque()
+    inflight = 0
+    it = iter(names)
+    nxt = next(it, None)
+    while nxt is not None or pending:
+        while nxt is not None and (len(pending) <= workers or inflight + index.tensors[nxt].nbytes <= limit):
+            pending.append((nxt, pool.submit(fn, nxt)))
+            inflight += index.tensors[nxt].nbytes
+            nxt = next(it, None)
+        name, future = pending.popleft()
+        inflight -= index.tensors[name].nbytes
+        yield name, future.result()
 
 
 def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], None] | None = None) -> Payload:

@@ -1,4 +1,5 @@
-"""Sparse delta records (``xor_sparse``, ``overwrite``; docs/format.md, section 5), validated and applied in bounded memory.
+"""Sparse delta records (``xor_sparse``, ``overwrite``; docs/format.md, section 5; and the opt-in ``xor_gaps``,
+``storage.gaps``), validated and applied in bounded memory.
 
 A record is a count, ``count`` positions, then ``count`` values. A zstd frame
 of a few KiB can decode to a record of 5 or 9 bytes per tensor byte, so no
@@ -27,8 +28,10 @@ from typing import Iterator
 
 import numpy as np
 
-from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
+from storage.changes import SparseChange
 from storage.errors import CodecError
+from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
+from storage.gaps import GAPS, GapsStream
 
 CHUNK = 1 << 18  # entries per streamed chunk (2 MiB of u64 positions)
 UNSORTED_MIN_CAP = 1 << 16
@@ -236,7 +239,7 @@ class _UnsortedRecord:
 class _Cursor:
     """Walks a source's entries in position order, one position range (a block) at a time."""
 
-    def __init__(self, source: _SortedStream | _UnsortedRecord):
+    def __init__(self, source: "_SortedStream | _UnsortedRecord | GapsStream"):
         self.source = source
         self.reached = 0  # no entry below this position can be returned any more
         self._pos = np.empty(0, dtype=np.int64)
@@ -273,19 +276,33 @@ class _SparseDecoder:
         self._cursor: _Cursor | None = None
         self._applied_to = 0
 
-    def _source(self, *, values: bool) -> _SortedStream | _UnsortedRecord:
+    def _source(self, *, values: bool):
+        if self.validated.encoding == GAPS:
+            return GapsStream(self.frame, self.validated, self.context, values=values)
         kind = _SortedStream if self.validated.ordered else _UnsortedRecord
         return kind(self.frame, self.validated, self.context, values=values)
 
-    def _entries(self, block: np.ndarray, offset: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _block_entries(self, offset: int, size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Positions (relative to ``offset``) and values of the entries in ``[offset, offset + size)``."""
         if offset != self._applied_to:
             raise ValueError(f"blocks must be applied in order from 0: expected offset {self._applied_to}, "
                              f"got {offset}")
-        self._applied_to = offset + block.size
+        self._applied_to = offset + size
         if self._cursor is None:
             self._cursor = _Cursor(self._source(values=True))
-        for pos, val in self._cursor.entries(offset, offset + block.size):
-            yield pos - offset, val
+        parts = list(self._cursor.entries(offset, offset + size))
+        if not parts:
+            return None
+        if len(parts) == 1:
+            pos, val = parts[0]
+        else:
+            pos, val = np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts])
+        return pos - offset, val
+
+    def apply(self, block: np.ndarray, offset: int) -> None:
+        change = self.changes(offset, block.size)
+        if change is not None:
+            change.apply(block)
 
     def finish(self) -> None:
         try:
@@ -301,11 +318,13 @@ class _SparseDecoder:
 
 
 class SparseXor(_SparseDecoder):
-    """``xor_sparse``: u64 count, strictly increasing u64 positions, u8 values XORed in; streamed."""
+    """``xor_sparse`` (u64 positions) and ``xor_gaps`` (varint gaps): values XORed in at strictly increasing
+    positions; streamed."""
 
-    def apply(self, block: np.ndarray, offset: int) -> None:
-        for index, values in self._entries(block, offset):
-            block[index] ^= values
+    def changes(self, offset: int, size: int) -> SparseChange | None:
+        """The block's entries, ready to apply once the patcher has mapped their pages."""
+        entries = self._block_entries(offset, size)
+        return None if entries is None else SparseChange(*entries)
 
 
 class SparseOverwrite(_SparseDecoder):
@@ -320,13 +339,15 @@ class SparseOverwrite(_SparseDecoder):
         self._replaced: dict[int, np.ndarray] = {}
         self._undo: _Cursor | None = None
 
-    def apply(self, block: np.ndarray, offset: int) -> None:
-        saved = []
-        for index, values in self._entries(block, offset):
-            saved.append(block[index])  # fancy indexing copies
-            block[index] = values  # distinct indices: one entry per position
-        if saved:
-            self._replaced[offset] = saved[0] if len(saved) == 1 else np.concatenate(saved)
+    def changes(self, offset: int, size: int) -> SparseChange | None:
+        entries = self._block_entries(offset, size)
+        if entries is None:
+            return None
+
+        def save(block: np.ndarray, index: np.ndarray) -> None:
+            self._replaced[offset] = block[index]  # fancy indexing copies
+
+        return SparseChange(*entries, overwrite=True, on_apply=save)
 
     def undo(self, block: np.ndarray, offset: int) -> None:
         """Put back the bytes ``apply`` replaced in the block at ``offset`` (blocks in any order)."""

@@ -6,7 +6,8 @@ import json
 
 from benchmarks.refit import main
 
-SECTIONS = ("machine", "config", "model", "revisions", "kernels", "decode", "apply_threads", "apply_disk",
+SECTIONS = ("machine", "config", "model", "revisions", "kernels", "decode", "sweep", "decode_dense", "apply_threads",
+            "apply_disk",
             "refits", "catch_up", "memory", "fetch", "baseline", "fetch_only", "baseline_throttled", "overlap",
             "prefect", "targets", "load", "disk", "errors")
 
@@ -36,8 +37,19 @@ def test_tiny_benchmark_writes_every_section(tmp_path, capsys):
     # the measurements are of the published data: sizes agree with the catalog
     r2 = next(r for r in result["revisions"] if r["version"] == "r2")
     assert result["decode"]["revisions"]["r2"]["decoded_bytes"] == r2["decoded_bytes"]
+    # the RL sweep: every share published in each setting, the changed share rising with the requested one
+    sweep = result["sweep"]
+    assert [row["share"] for row in sweep] == ["0.5%", "1%", "2%", "5%", "dense"]
+    shares = [row["changed_element_share"] for row in sweep]
+    assert shares == sorted(shares) and 0 < shares[0] < 0.02 and shares[-1] > 0.2
+    for row in sweep:
+        assert set(row["publish"]) == {"auto", "xor", "xor_gaps"}
+        assert row["publish"]["auto"]["encoding"] in ("xor", "xor_sparse", "overwrite")
+        assert 0 < row["publish"]["xor_gaps"]["fraction_of_full"] < 1
+        assert all(a["over_reference"] > 0 for a in row["apply"].values())
+    dense_bytes = sweep[-1]["xor_reference"]["bytes"]
     assert [row["threads"] for row in result["apply_threads"]] == [1, 2]
-    assert all(row["applied_bytes"] == r2["decoded_bytes"] for row in result["apply_threads"])
+    assert all(row["applied_bytes"] == dense_bytes for row in result["apply_threads"])
     assert result["baseline"]["applied_bytes"] == r2["decoded_bytes"]
     # the rate-limited store really served the bytes of the throttled refit
     assert refits["throttled"]["throttled_bytes"] >= r2["encoded_bytes"]
@@ -47,7 +59,10 @@ def test_tiny_benchmark_writes_every_section(tmp_path, capsys):
     assert catch_up["folded"]["checkpoint_write_bytes"] < catch_up["sequential"]["checkpoint_write_bytes"]
     assert result["prefect"] == {"ephemeral": None, "server": None}
     names = [t["target"] for t in result["targets"]]
-    assert any(n.startswith("apply throughput") for n in names) and any(n.startswith("overlap") for n in names)
+    for prefix in ("bytes at 2 % changed", "publish at 2 % changed", "apply at 2 % changed", "dense step: apply",
+                   "overlap", "catch-up"):
+        assert any(n.startswith(prefix) for n in names), prefix
+    assert all(t["met"] in (True, False, None) for t in result["targets"])
     assert result["overlap"]["runs"]["refit runbook without Prefect"]["data_plane_s"] > 0
     assert result["disk"]["peak_bytes"] > 0
     # the temporary model and catalog are gone; only the result files stay

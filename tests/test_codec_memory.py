@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import storage.codec as codec
 import storage.sparse as sparse
-from storage.codec import ValidatedFrame, encode_delta, make_decoder, validate_frame
+from storage.codec import ValidatedFrame, make_decoder, validate_frame
+from storage.encoding import encode_delta
 from storage.errors import CodecError
 
 MiB = 2**20

@@ -16,7 +16,9 @@ import zstandard
 from safetensors.numpy import load as st_load
 
 from storage.checkpoint import CheckpointIndex, check_shard_name
-from storage.codec import encode_delta, inspect_frame, make_decoder, sparse_record
+from storage.codec import make_decoder, sparse_record
+from storage.encoding import encode_delta
+from storage.frames import inspect_frame
 from storage.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CodecError, FormatError, ManifestError, SafetensorsError
 from storage.safetensors import parse_bytes, read_header, write_safetensors

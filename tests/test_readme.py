@@ -11,7 +11,6 @@ Every document link in the README and docs/ points to a file of the repository.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

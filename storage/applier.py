@@ -1,0 +1,207 @@
+"""Patching one tensor in place, block by block, touching only the pages that change (and undoing it).
+
+For each block, every revision's decoder first says what it changes
+(``storage.changes``), without writing. The block is then mapped: pages some
+revision writes are populated writable in one ``MADV_POPULATE_WRITE`` call
+per run of them (on a shared file mapping that marks them dirty, so it is
+never used for pages that do not change); the rest only readable, for the
+checksums. The changes are applied in revision order, each revision's
+checksum updated on the running bytes actually written, and the block is
+unmapped (``MADV_DONTNEED``: the process does not keep the checkpoint
+resident; dirty pages stay in the page cache and reach the disk later).
+
+Blocks after a tensor's first start on page boundaries of the file, so a
+page belongs to one block of the tensor and a folded catch-up of K deltas
+dirties it at most once.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import numpy as np
+
+from storage.cancel import StopToken
+from storage.changes import PAGE, page_runs, page_spans, touched_pages
+from storage.checkpoint import CheckpointIndex, TensorLocation
+from storage.codec import Decoder, make_decoder
+from storage.digests import new_checksum
+from storage.errors import ChecksumMismatch
+from storage.killpoints import killpoint
+from storage.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
+
+if TYPE_CHECKING:
+    from storage.patcher import PatchStep, TensorPlan
+
+
+def block_bounds(location: TensorLocation, block_size: int) -> list[tuple[int, int]]:
+    """``(offset in the tensor, size)`` of its blocks: cut where the file offset is a multiple of the block size.
+
+    ``block_size`` is rounded up to whole pages.
+    """
+    size = max(PAGE, -(-block_size // PAGE) * PAGE)
+    start, end = location.offset, location.offset + location.nbytes
+    cuts = [start, *range(start - start % size + size, end, size), end]
+    return [(a - start, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+class Maps:
+    """The checkpoint's shards mapped writable; buckets read-only, mapped as they arrive."""
+
+    def __init__(self, folder: Path):
+        self.shards = MappedFiles(folder, writable=True)
+        self._lock = threading.Lock()
+        self._buckets: dict[Path, MappedFiles] = {}
+
+    def _bucket(self, step: "PatchStep") -> np.ndarray:
+        with self._lock:
+            files = self._buckets.get(step.bucket.parent)
+            if files is None:
+                files = self._buckets[step.bucket.parent] = MappedFiles(step.bucket.parent)
+        return files.array(step.bucket.name)
+
+    def frame(self, step: "PatchStep") -> memoryview:
+        view = self._bucket(step)
+        advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
+        return memoryview(view)[step.start: step.end]
+
+    def release_frame(self, step: "PatchStep") -> None:
+        advise(self._bucket(step), step.start, step.end - step.start, MADV_DONTNEED)
+
+    def block(self, location: TensorLocation, offset: int, size: int, pages: np.ndarray | bool = True
+              ) -> np.ndarray:
+        """A view of ``size`` bytes of the tensor from ``offset``, pre-faulted: ``pages`` (a flag per page of the
+        block, or True for all, False for none) writable, the rest readable."""
+        view = self.shards.array(location.file)
+        start = location.offset + offset
+        if pages is True:
+            advise(view, start, size, MADV_POPULATE_WRITE)
+        else:
+            advise(view, start, size, MADV_POPULATE_READ)
+            if pages is not False:
+                first_page = start - start % PAGE
+                for first, count in page_runs(pages):
+                    advise(view, first_page + first * PAGE, count * PAGE, MADV_POPULATE_WRITE)
+        return view[start: start + size]
+
+    def release_block(self, location: TensorLocation, offset: int, size: int) -> None:
+        self.shards.advise(location.file, location.offset + offset, size, MADV_DONTNEED)
+
+    def close(self) -> None:
+        """Drop every mapping now (not at garbage collection): a mapping pins its filesystem."""
+        self.shards.close()
+        with self._lock:
+            buckets, self._buckets = list(self._buckets.values()), {}
+        for files in buckets:
+            files.close()
+
+
+@dataclass
+class Progress:
+    """How far one tensor got: whole blocks, then steps into the block being patched; pages it wrote."""
+
+    plan: "TensorPlan"
+    block_size: int
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+    decoders: list[Decoder | None] = field(default_factory=list)
+    blocks: int = 0
+    steps_in_block: int = 0
+    pages_written: int = 0
+    blocks_unchanged: int = 0
+
+    @property
+    def touched(self) -> bool:
+        return self.blocks > 0 or self.steps_in_block > 0
+
+
+def apply_tensor(maps: Maps, state: Progress, target_format: str, progress: Callable[[int], None] | None,
+                 halt: StopToken) -> str:
+    """Patch one tensor through its plan's steps; returns its checksum in ``target_format``."""
+    plan, block_size = state.plan, state.block_size
+    location = plan.location
+    name = location.name
+    state.bounds = block_bounds(location, block_size)
+    size_max = max((s for _, s in state.bounds), default=1)
+    state.decoders = [
+        make_decoder(s.encoding, maps.frame(s), location.nbytes, block_size=size_max, validated=s.validated,
+                     **s.context(name))
+        for s in plan.steps
+    ]
+    hashes = [new_checksum(s.checksum_format) for s in plan.steps]
+    final_in_own_format = plan.steps[-1].checksum_format == target_format
+    final = hashes[-1] if final_in_own_format else new_checksum(target_format)
+    for offset, size in state.bounds:
+        halt.check(tensor=name, mutation_started=True)
+        changes = [decoder.changes(offset, size) for decoder in state.decoders]  # decode: nothing written yet
+        head = (location.offset + offset) % PAGE
+        pages = touched_pages(changes, head, size)
+        block = maps.block(location, offset, size, pages)
+        spans = page_spans(pages, head, size)  # a page outside them is only read: a store would dirty it
+        for i, (change, h) in enumerate(zip(changes, hashes)):
+            if change is not None and spans != []:
+                change.apply(block, spans)
+            state.steps_in_block = i + 1
+            h.update(block)  # the bytes as written: an apply bug cannot go unnoticed
+        state.blocks, state.steps_in_block = state.blocks + 1, 0
+        if pages is False:
+            state.blocks_unchanged += 1
+        else:
+            state.pages_written += (head + size + PAGE - 1) // PAGE if pages is True else int(pages.sum())
+        if not final_in_own_format:
+            final.update(block)
+        maps.release_block(location, offset, size)
+        if progress:
+            progress(size * len(state.decoders))
+        killpoint("apply.block")
+    for decoder in state.decoders:
+        decoder.finish()
+    for step in plan.steps:
+        maps.release_frame(step)
+    # only overwrite decoders are needed to undo (they hold the replaced bytes); let the others go
+    state.decoders = [d if s.encoding == "overwrite" else None for s, d in zip(plan.steps, state.decoders)]
+    for step, h in zip(plan.steps, hashes):
+        got = h.hexdigest()
+        if got != step.checksum:
+            raise ChecksumMismatch(
+                f"tensor bytes hash to {got} after applying the delta, the bucket says {step.checksum}",
+                mutation_started=True, **step.context(name),
+            )
+    return final.hexdigest()
+
+
+def undo(maps: Maps, touched: list[Progress], base: Mapping[str, str], fmt: str, checkpoint: CheckpointIndex,
+         log) -> bool:
+    """Revert every patched byte, newest step first within each block; True if the base hashes are back.
+
+    XOR steps are undone by applying the same frame again (fresh decoders);
+    ``overwrite`` steps restore the bytes their decoder saved before writing.
+    """
+    try:
+        for state in touched:
+            plan, name = state.plan, state.plan.location.name
+            size_max = max((s for _, s in state.bounds), default=1)
+            fresh = [d if s.encoding == "overwrite" else
+                     make_decoder(s.encoding, maps.frame(s), plan.location.nbytes, block_size=size_max,
+                                  validated=s.validated, **s.context(name))
+                     for s, d in zip(plan.steps, state.decoders)]
+            last = state.blocks + (1 if state.steps_in_block else 0)
+            for b, (offset, size) in enumerate(state.bounds[:last]):
+                block = maps.block(plan.location, offset, size)
+                depth = len(plan.steps) if b < state.blocks else state.steps_in_block
+                for i in reversed(range(depth)):
+                    if plan.steps[i].encoding == "overwrite":
+                        fresh[i].undo(block, offset)
+                    else:
+                        fresh[i].apply(block, offset)
+        names = [s.plan.location.name for s in touched]
+        now = checkpoint.checksums(fmt, names=names, workers=2) if names else {}
+        ok = all(now[n] == base.get(n) for n in names)
+        if not ok:
+            log.error("undo did not restore the base checksums of %s", [n for n in names if now[n] != base.get(n)])
+        return ok
+    except Exception as exc:  # an undo that cannot finish is reported, and the caller rebuilds instead
+        log.error("could not undo the partial apply: %s", exc)
+        return False
