@@ -61,9 +61,13 @@ class ServeSettings(BaseSettings):
     interval_s: float = Field(3600.0, gt=0, description="seconds between scheduled refits to 'latest'")
     name_suffix: str = Field("", pattern=r"^(-[a-z0-9][a-z0-9-]{0,62})?$",
                              description="appended to each deployment name, e.g. '-gpu3' (one set per host)")
-    poll_s: float = Field(0.5, ge=0.05, le=600,
+    poll_s: float = Field(10.0, ge=0.05, le=600,
                           description="seconds between the agent's queries for flow runs to start (each is one API "
-                                      "request while idle)")
+                                      "request while idle); triggered runs start at once anyway, on their "
+                                      "scheduled-run event (docs/fleet.md)")
+    wake_on_events: bool = Field(True, description="wake the agent when a run of its deployments is scheduled, from "
+                                                   "the server's event stream (one websocket per node), so that "
+                                                   "triggered runs start at once; without it only the polls find them")
 
 
 def resource_id(model: str, version: str) -> str:
@@ -130,7 +134,8 @@ NODE_FLAGS = [
     Flag("installer.engine_urls", "--engine-url"), Flag("retries"), Flag("retry_delay_s", "--retry-delay"),
     Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
 ]
-SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds")]
+SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
+               Flag("wake_on_events", "--no-event-wakeups", invert=True)]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -212,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
              "flow runs in this process, one at a time", params.node, ", ".join(d.name for d in deployments),
              params.model, params.catalog, url, settings.interval_s, EVENT)
     stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, poll_s=settings.poll_s,
-                             start_now=f"refit-latest{settings.name_suffix}")
+                             start_now=f"refit-latest{settings.name_suffix}", wake_on_events=settings.wake_on_events)
     log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,
              time.monotonic() - stats.started_at)
     return 0

@@ -8,7 +8,9 @@ Every node writes its own status record beside the catalog after each refit
 nodes run the version or a newer one (exit 0), at the timeout naming the
 laggards (exit 1), or as soon as a node is poisoned (exit 3) — the question an
 RL loop asks after each publication. The same as Python functions:
-``fleet_status`` and ``wait_for``.
+``fleet_status`` and ``wait_for``. ``poisoned_alert`` is the Prefect
+automation that notifies someone when a node reports itself poisoned
+(docs/fleet.md, "Running a fleet").
 """
 
 from __future__ import annotations
@@ -128,6 +130,31 @@ def wait_for(version: str, *, catalog: str, model: str, nodes: int | None = None
         if elapsed >= timeout_s:
             return WaitOutcome("timeout", version, at, behind, poisoned, elapsed, view)
         time.sleep(min(poll_s, max(0.0, timeout_s - elapsed)))
+
+
+NODE_EVENT_PREFIX = "canonical-refit.node"  # flows.refit.NODE_EVENT, without importing the refit flow here
+
+
+def poisoned_alert(model: str, block_document_id, *, name: str | None = None):
+    """A Prefect automation (not yet created: call ``.create()``) that sends a notification through the
+    notification block ``block_document_id`` each time a node of ``model`` emits ``canonical-refit.node.poisoned``.
+    """
+    from prefect.automations import Automation, EventTrigger, Posture, SendNotification
+
+    return Automation(
+        name=name or f"canonical-refit: node of {model} poisoned",
+        description="A node's refit ended POISONED: its engine may hold partial weights and it refuses installs "
+                    "until `python -m flows.refit recover` succeeds there.",
+        trigger=EventTrigger(expect={f"{NODE_EVENT_PREFIX}.poisoned"},
+                             match={"prefect.resource.id": f"{NODE_EVENT_PREFIX}.{model}.*"},
+                             posture=Posture.Reactive, threshold=1, within=0),
+        actions=[SendNotification(
+            block_document_id=block_document_id,
+            subject="canonical-refit: node {{ event.resource.name }} is poisoned",
+            body="Node {{ event.resource.name }} ({{ event.payload.model }}) ended POISONED refitting to "
+                 "{{ event.payload.target }}; it still runs {{ event.payload.version }}. Error: "
+                 "{{ event.payload.error }}. Run `python -m flows.refit recover` on that node.")],
+    )
 
 
 STATUS_FLAGS = [Flag("catalog"), Flag("model"), Flag("storage.endpoint_url", "--s3-endpoint-url")]

@@ -205,8 +205,10 @@ class PublishParams(BaseSettings):
                                                      "checkpoint"
     )
     keep_copy: bool = Field(True, description="keep a copy of what was published as the next delta's base")
-    encoding: Literal["xor", "xor_sparse", "overwrite", "auto"] = Field(
-        "xor", description="delta encoding; auto picks whichever is smallest for this revision")
+    encoding: Literal["xor", "xor_sparse", "overwrite", "auto", "xor_gaps"] = Field(
+        "xor", description="delta encoding: auto measures the canonical encodings and zstd levels on a sample of "
+                           "the revision and keeps the smallest; xor_gaps is an opt-in extension older receivers "
+                           "cannot read (docs/format.md, 5.6)")
     checksum_format: Literal["adler32", "xxh3-128", "blake3"] = Field(
         "adler32", description="per-tensor checksum of initial and full revisions (a delta uses its base's)")
     bucket_max_mib: int = Field(256, ge=1, description="decoded MiB per delta bucket")

@@ -10,24 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Callable
 from uuid import UUID
 
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = sys.executable
-PREFECT = str(Path(sys.executable).with_name("prefect"))
-FINAL_STATE_TYPES = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from benchmarks._fleetlab import (  # noqa: F401  (re-exported to the deployment tests)
+    FINAL_STATE_TYPES, PREFECT, PYTHON, ROOT, free_port, quiet_env, tail, target_of, wait_until,
+)
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -46,26 +35,6 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         pass
-
-
-def tail(path: Path, chars: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except FileNotFoundError:
-        return ""
-
-
-def wait_until(what: str, check: Callable[[], object], timeout_s: float, *, every_s: float = 0.5,
-               diagnostics: Callable[[], str] = lambda: ""):
-    """Poll ``check`` until it returns something truthy; fail with ``diagnostics`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{diagnostics()}")
-        time.sleep(every_s)
 
 
 class PrefectServer:
@@ -118,16 +87,6 @@ class PrefectServer:
         from prefect.client.orchestration import SyncPrefectClient
 
         return SyncPrefectClient(self.url)
-
-
-def quiet_env(**extra: str) -> dict[str, str]:
-    """This process's environment without receiver settings, analytics off, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("CANONICAL_REFIT_", "AWS_", "PREFECT_"))}
-    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
-               PREFECT_LOGGING_EXTRA_LOGGERS="canonical_refit", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
 
 
 def run(cmd: list[str], env: dict[str, str], *, timeout_s: float = 120.0, cwd: Path = ROOT) -> str:
@@ -185,10 +144,6 @@ def refit_runs(client, deployment_id: UUID) -> list:
 
     runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
     return sorted(runs, key=lambda r: r.created)
-
-
-def target_of(run) -> str | None:
-    return (run.parameters.get("params") or {}).get("target")
 
 
 def wait_for_final_run(client, deployment_id: UUID, target: str, timeout_s: float, diagnostics) -> object:
