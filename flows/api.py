@@ -2,9 +2,10 @@
 
     from flows import api
 
-    revision = api.publish("/ckpt/step-42", catalog=CATALOG, model="org/name")     # trainer side
+    published = api.publish("/ckpt/step-42", catalog=CATALOG, model="org/name")     # trainer side
+    published = api.publish(weights, catalog=CATALOG, model="org/name")  # ... or {name: CPU tensor}
     result = api.refit(catalog=CATALOG, model="org/name", seed_checkpoint="/models/launch")  # a node
-    api.wait_for(revision.version, catalog=CATALOG, model="org/name", nodes=8, timeout_s=300)
+    api.wait_for(published.version, catalog=CATALOG, model="org/name", nodes=8, timeout_s=300)
 
 Everything here runs the same runbooks as the command lines and the
 deployments. Inside a Prefect flow run their stages are tasks of that run;
@@ -16,16 +17,19 @@ arguments come from the same ``CANONICAL_REFIT_*`` environment variables.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from flows.fleet import FleetView, WaitOutcome, fleet_status, wait_for
 from flows.report import READY, SKIPPED, RefitResult
-from storage.catalog import Catalog, Revision
+from storage.catalog import Revision
 from storage.errors import RefitError
 from storage.local_store import LocalStore
-from storage.objects import ObjectStore
 from storage.settings import InstallerSettings, ObjectStoreSettings, PublishParams, RefitParams
+
+if TYPE_CHECKING:
+    from flows.publish import PublishResult
 
 __all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "FleetView", "WaitOutcome", "RefitResult",
            "Revision"]
@@ -39,22 +43,57 @@ def _nested(values: dict, name: str, model: type, given) -> None:
         values[name] = given
 
 
-def publish(checkpoint: str | Path, *, catalog: str, model: str, kind: str = "delta", version: str | None = None,
-            storage: ObjectStoreSettings | Mapping[str, Any] | None = None, **settings) -> Revision:
-    """Publish the safetensors checkpoint folder ``checkpoint`` as a new revision; returns its catalog record.
+Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]  # NumPy arrays or torch tensors, on the CPU
+
+
+def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind: str = "delta",
+            version: str | None = None, keep_base: str = "disk",
+            storage: ObjectStoreSettings | Mapping[str, Any] | None = None, **settings) -> PublishResult:
+    """Publish a checkpoint as a new revision; returns the ``PublishResult`` the CLI prints (``version``,
+    ``sequence``, ``record_url``, bytes written, ``seconds``, ``bytes_per_s`` of model bytes, ...).
+
+    ``checkpoint`` is a safetensors checkpoint folder, or the tensors
+    themselves: a mapping of names to CPU tensors (NumPy arrays or torch
+    tensors, bf16 included) or an iterator of ``(name, tensor)`` pairs. From
+    memory, no checkpoint is written to disk; the objects and the record are
+    the bytes a folder holding the same tensors in one ``model.safetensors``
+    would give (``storage.tensor_source``). Tensors are read, never copied,
+    so leave them alone until this returns.
 
     ``kind`` is ``initial`` (revision 0, an empty catalog only), ``full`` or
-    ``delta`` (against the latest revision, from the publisher's kept copy);
-    any other ``PublishParams`` field may be passed by name.
+    ``delta`` (against the latest revision, from the publisher's kept copy).
+    ``keep_base`` is where that copy lives: ``disk`` (``state_dir``) or
+    ``memory`` (this process: a copy of the tensors, no disk writes). Any
+    other ``PublishParams`` field may be passed by name.
     """
     from flows.publish import run_publish
+    from storage.tensor_source import memory_checkpoint
 
-    values: dict = dict(catalog=catalog, model=model, checkpoint=checkpoint, kind=kind, version=version, **settings)
+    in_memory = not isinstance(checkpoint, (str, os.PathLike))
+    values: dict = dict(catalog=catalog, model=model, kind=kind, version=version, **settings,
+                        checkpoint="<memory>" if in_memory else checkpoint)  # the tensors replace the folder
     values = {k: v for k, v in values.items() if v is not None}
     _nested(values, "storage", ObjectStoreSettings, storage)
     params = PublishParams(**values)
-    result = run_publish(params)
-    return Catalog(ObjectStore(params.storage), params.catalog, params.model).read(result.version)
+    source = None
+    if in_memory:
+        try:
+            source = memory_checkpoint(checkpoint, revision=version)
+        except RefitError as exc:
+            raise exc.with_context(revision=version or _next_version(params)) from None
+    return run_publish(params, source=source, keep_base=keep_base)
+
+
+def _next_version(params: PublishParams) -> str | None:
+    """The version a publication without one would get (to name it in an error), if the catalog says."""
+    from storage.catalog import Catalog
+    from storage.objects import ObjectStore
+    from storage.publisher import next_sequence
+
+    try:
+        return f"r{next_sequence(Catalog(ObjectStore.shared(params.storage), params.catalog, params.model))[0]}"
+    except RefitError:
+        return None
 
 
 def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | Path | None = None,

@@ -87,7 +87,7 @@ class WaitOutcome:
 
 def fleet_status(catalog: str, model: str, *, storage: ObjectStoreSettings | None = None) -> FleetView:
     """Every node's status record of ``model``."""
-    records, problems = read_node_records(ObjectStore(storage), catalog, model)
+    records, problems = read_node_records(ObjectStore.shared(storage), catalog, model)
     return FleetView(records, problems)
 
 
@@ -95,7 +95,7 @@ def wait_for(version: str, *, catalog: str, model: str, nodes: int | None = None
              all_seen_within_s: float | None = None, timeout_s: float = 600.0, poll_s: float = 1.0,
              storage: ObjectStoreSettings | None = None) -> WaitOutcome:
     """Wait until enough nodes run ``version`` or newer (by catalog sequence); see the module."""
-    objects = ObjectStore(storage)
+    objects = ObjectStore.shared(storage)
     revisions = Catalog(objects, catalog, model)
     wanted = revisions.read(version).sequence
     sequences: dict[str, int | None] = {}

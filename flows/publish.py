@@ -27,14 +27,15 @@ from pathlib import Path  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from storage.catalog import Catalog, Revision  # noqa: E402
-from storage.checkpoint import CheckpointIndex  # noqa: E402
+from storage.checkpoint import CheckpointIndex, require_same_layout  # noqa: E402
 from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
 from storage.objects import ObjectStore  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
 from storage.publisher import (  # noqa: E402
-    Payload, PublisherCopy, Snapshot, existing_record, make_record, next_sequence, same_publication,
-    snapshot_of, stage_delta, stage_full, upload_payload,
+    KEEP_BASES, Payload, PublisherCopy, Snapshot, existing_record, make_record, next_sequence, same_publication,
+    snapshot_of, source_label, stage_delta, stage_full, upload_payload,
 )
+from storage.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
@@ -64,6 +65,8 @@ class PublishResult:
     changed_tensors: int = 0
     files: int = 0
     seconds: float = 0.0
+    model_bytes: int = 0  # the checkpoint's tensor bytes
+    bytes_per_s: float = 0.0  # model bytes per second of the whole run
     already_published: bool = False
     attempts: int = 1  # of the upload and record write (retried after transient failures)
 
@@ -76,7 +79,7 @@ class Publication:
     sequence: int
     base: Revision | None
     base_snapshot: Snapshot | None
-    target: CheckpointIndex
+    target: CheckpointIndex | MemoryCheckpoint
     existing: Revision | None
 
 
@@ -85,8 +88,14 @@ def payload_root(params: PublishParams, catalog: Catalog) -> str:
 
 
 @step("plan revision")
-def plan_revision(params: PublishParams, catalog: Catalog) -> Publication:
-    """Pick version and claim its sequence; for a delta, load the exact base (checked against its record)."""
+def plan_revision(params: PublishParams, catalog: Catalog, source: MemoryCheckpoint | None = None,
+                  keep_base: str = "disk") -> Publication:
+    """Load the target (``source``, or the checkpoint folder) and, for a delta, the exact base (checked against
+    its record and the target's layout); only then claim the version's sequence.
+
+    Everything that can refuse the input does so before the claim, so a
+    refused publication leaves the catalog as it was.
+    """
     sequence, latest = next_sequence(catalog)
     existing = existing_record(catalog, params.version) if params.version else None
     if params.kind == "initial":
@@ -99,10 +108,9 @@ def plan_revision(params: PublishParams, catalog: Catalog) -> Publication:
         raise LineageError("the catalog is empty: publish the launch revision first (--kind initial)",
                            file=catalog.url)
     if existing is not None:  # a republish (after a crash, or a retry): same version, same sequence
-        sequence, version = existing.sequence, existing.version
-    else:
-        sequence, version = claim_sequence(catalog, sequence, params.version)
-    target = CheckpointIndex.open(params.checkpoint, revision=version)
+        sequence = existing.sequence
+    label = existing.version if existing else params.version or f"r{sequence}"  # the version it will likely get
+    target = source if source is not None else CheckpointIndex.open(params.checkpoint, revision=label)
     base, base_snapshot = None, None
     if params.kind == "delta":
         base = catalog.read(params.base_version) if params.base_version else latest
@@ -112,10 +120,17 @@ def plan_revision(params: PublishParams, catalog: Catalog) -> Publication:
             base_snapshot = snapshot_of(params.base_checkpoint, base.checksum_format, workers=params.workers)
             if base_snapshot.target_digest != base.target_digest:
                 raise LineageError(f"--base-checkpoint hashes to {base_snapshot.target_digest}, not the "
-                                   f"target_digest of {base.version}", revision=version,
+                                   f"target_digest of {base.version}", revision=label,
                                    file=str(params.base_checkpoint))
         else:
-            base_snapshot = PublisherCopy(params.state_dir, params.model).base_for(base, workers=params.workers)
+            base_snapshot = PublisherCopy(params.state_dir, params.model, keep_base=keep_base).base_for(
+                base, workers=params.workers)
+        require_same_layout(base_snapshot.index.layout(), target.layout(), revision=label,
+                            file=source_label(target))
+    if existing is not None:
+        version = existing.version
+    else:
+        sequence, version = claim_sequence(catalog, sequence, params.version)
     return Publication(version, sequence, base, base_snapshot, target, existing)
 
 
@@ -140,10 +155,10 @@ def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> t
             encoding=params.encoding, level=params.zstd_level, bucket_max_bytes=params.bucket_max_bytes,
             workers=params.workers,
         )
-        snap = snapshot_of(plan.target.folder, plan.base.checksum_format, workers=params.workers,
+        snap = snapshot_of(plan.target, plan.base.checksum_format, workers=params.workers,
                            checksums=payload.checksums)
         return payload, snap
-    snap = snapshot_of(plan.target.folder, params.checksum_format, workers=params.workers)
+    snap = snapshot_of(plan.target, params.checksum_format, workers=params.workers)
     if params.kind == "initial":
         return None, snap
     return stage_full(snap, staging), snap
@@ -218,15 +233,24 @@ def retried(params: PublishParams, what: str, fn):
     raise AssertionError("unreachable")
 
 
-def run_publish(params: PublishParams) -> PublishResult:
-    """The publication runbook (the flow's body; runs plain outside a flow run): plan, encode, upload, record."""
+def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None,
+                keep_base: str = "disk") -> PublishResult:
+    """The publication runbook (the flow's body; runs plain outside a flow run): plan, encode, upload, record.
+
+    ``source`` publishes tensors in memory instead of ``params.checkpoint``
+    (same stages, same bytes; nothing but the payload is staged on disk);
+    ``keep_base`` says where the publisher keeps the next delta's base:
+    ``disk`` (``params.state_dir``) or ``memory`` (this process).
+    """
+    if keep_base not in KEEP_BASES:
+        raise ValueError(f"keep_base must be one of {', '.join(KEEP_BASES)}, not {keep_base!r}")
     started = time.perf_counter()
-    objects = ObjectStore(params.storage)
+    objects = ObjectStore.shared(params.storage)
     catalog = Catalog(objects, params.catalog, params.model)
     for prefix in {catalog.url, payload_root(params, catalog)}:  # catalog and payloads may be two buckets
         retried(params, "checking create-only writes", lambda p=prefix: objects.ensure_conditional_writes(
             p, allow_unconditional=params.allow_unconditional_writes))
-    plan = plan_revision(params, catalog)
+    plan = plan_revision(params, catalog, source, keep_base)
     url = join_url(payload_root(params, catalog), plan.version)
     with tempfile.TemporaryDirectory(prefix="canonical-refit-publish-") as tmp:
         payload, snap = encode_payload(params, plan, Path(tmp) / plan.version)
@@ -243,8 +267,9 @@ def run_publish(params: PublishParams) -> PublishResult:
         else:  # a trainer process without Prefect: nothing to announce to (nodes still find it by polling)
             log.info("no Prefect API configured: %s was published without the %s event", record.version, EVENT)
     if params.keep_copy:
-        PublisherCopy(params.state_dir, params.model).keep(params.checkpoint, record.version,
-                                                           snap.checksum_format, snap.checksums)
+        PublisherCopy(params.state_dir, params.model, keep_base=keep_base).keep(
+            plan.target, record.version, snap.checksum_format, snap.checksums)
+    seconds = time.perf_counter() - started
     result = PublishResult(
         version=record.version, sequence=record.sequence, payload_format=record.payload_format,
         record_url=catalog.record_url(record.version), uri=record.uri, target_digest=record.target_digest,
@@ -252,11 +277,13 @@ def run_publish(params: PublishParams) -> PublishResult:
         decoded_bytes=payload.decoded_bytes if payload else 0, encoded_bytes=payload.encoded_bytes if payload else 0,
         compression_ratio=round(payload.compression_ratio, 3) if payload else 0.0,
         changed_tensors=len(payload.changed) if payload else 0, files=len(payload.files) if payload else 0,
-        seconds=round(time.perf_counter() - started, 3), already_published=not created, attempts=attempts,
+        seconds=round(seconds, 3), model_bytes=plan.target.nbytes,
+        bytes_per_s=round(plan.target.nbytes / seconds, 1) if seconds > 0 else 0.0,
+        already_published=not created, attempts=attempts,
     )
-    log.info("published %s (seq %d, %s): %d bytes written, %d changed tensor(s), ratio %.2f, %.2fs",
-             result.version, result.sequence, result.payload_format, result.bytes_written,
-             result.changed_tensors, result.compression_ratio, result.seconds)
+    log.info("published %s (seq %d, %s): %d bytes written, %d changed tensor(s), ratio %.2f, %.2fs (%.0f MB/s "
+             "of model)", result.version, result.sequence, result.payload_format, result.bytes_written,
+             result.changed_tensors, result.compression_ratio, result.seconds, result.bytes_per_s / 1e6)
     return result
 
 

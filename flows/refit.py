@@ -192,7 +192,7 @@ def report_node(params: RefitParams, result: RefitResult) -> None:
                         error=result.error, stages=stages, bytes_fetched=fetched,
                         attempts=max(1, len(result.attempts)), updated_at_unix_ms=int(time.time() * 1000))
     try:
-        write_node_record(ObjectStore(params.storage), params.catalog, record)
+        write_node_record(ObjectStore.shared(params.storage), params.catalog, record)
     except RefitError as exc:
         log.warning("could not write the status record of node %s: %s", params.node, exc)
     if in_flow_run() or configured_api_url():

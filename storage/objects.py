@@ -14,6 +14,7 @@ module branches on the protocol.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -73,8 +74,37 @@ class TransferStats:
             }
 
 
+_SHARED: dict[str, "ObjectStore"] = {}
+_SHARED_LOCK = threading.Lock()
+_SHARED_MAX = 16  # distinct settings kept (oldest dropped first)
+# what else decides which credentials and endpoint a new S3 client picks up
+_CLIENT_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION",
+               "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CONFIG_FILE",
+               "AWS_SHARED_CREDENTIALS_FILE")
+
+
 class ObjectStore:
     """fsspec-backed object storage with retries, stats and create-only writes."""
+
+    @classmethod
+    def shared(cls, settings: ObjectStoreSettings | None = None, stats: TransferStats | None = None
+               ) -> "ObjectStore":
+        """This process's store for ``settings``, counting into ``stats``.
+
+        Its S3 clients, their connections and the connection budget are kept
+        between calls: a warm node agent or trainer pays for a client (about
+        0.3 s: a session, credentials, a connection) once, not at every run.
+        The AWS variables of the environment are part of the key, so changed
+        credentials get a new client.
+        """
+        settings = settings or ObjectStoreSettings()
+        key = settings.model_dump_json() + "".join(f"|{os.environ.get(k, '')}" for k in _CLIENT_ENV)
+        with _SHARED_LOCK:
+            store = _SHARED.pop(key, None) or cls(settings)
+            _SHARED[key] = store  # most recently used last
+            while len(_SHARED) > _SHARED_MAX:
+                _SHARED.pop(next(iter(_SHARED)))
+        return store.with_stats(stats or TransferStats())
 
     def __init__(self, settings: ObjectStoreSettings | None = None, stats: TransferStats | None = None):
         self.settings = settings or ObjectStoreSettings()

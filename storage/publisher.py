@@ -32,6 +32,7 @@ from storage.manifests import DELTA_INDEX_FILE
 from storage.objects import ObjectStore
 from storage.urls import join_url
 from storage.safetensors import encode_header, write_safetensors
+from storage.tensor_source import MemoryCheckpoint
 
 log = logging.getLogger("canonical_refit.publisher")
 
@@ -40,17 +41,18 @@ log = logging.getLogger("canonical_refit.publisher")
 class Snapshot:
     """A local checkpoint with its digests: what a revision record describes."""
 
-    index: CheckpointIndex
+    index: CheckpointIndex | MemoryCheckpoint
     checksum_format: str
     checksums: Mapping[str, str]
     format_digest: str
     target_digest: str
 
 
-def snapshot_of(path: Path, checksum_format: str, *, workers: int, checksums: Mapping[str, str] | None = None
-                ) -> Snapshot:
-    """Index and digests of a local checkpoint (hashing it unless ``checksums`` are known)."""
-    index = CheckpointIndex.open(path)
+def snapshot_of(checkpoint: Path | CheckpointIndex | MemoryCheckpoint, checksum_format: str, *, workers: int,
+                checksums: Mapping[str, str] | None = None) -> Snapshot:
+    """Index and digests of a local checkpoint, a folder or in memory (hashing it unless ``checksums`` are known)."""
+    index = checkpoint if isinstance(checkpoint, (CheckpointIndex, MemoryCheckpoint)) else CheckpointIndex.open(
+        checkpoint)
     if checksums is None:
         checksums = index.checksums(checksum_format, workers=workers)
     layout = index.format_digest()
@@ -101,8 +103,18 @@ class _Tensors:
             os.close(fd)
 
 
-def choose_setting(base: Snapshot, target: CheckpointIndex, requested: str, *, level: int, workers: int,
-                   allow_extended: bool = False) -> tuple[Setting, Choice | None]:
+def _reader(index: CheckpointIndex | MemoryCheckpoint) -> _Tensors | MemoryCheckpoint:
+    """What reads a checkpoint's tensors: its shards' files, or the arrays themselves."""
+    return index if isinstance(index, MemoryCheckpoint) else _Tensors(index)
+
+
+def source_label(index: CheckpointIndex | MemoryCheckpoint) -> str | None:
+    """The folder errors name (None for tensors in memory: the revision and tensor say it all)."""
+    return str(index.folder) if index.folder is not None else None
+
+
+def choose_setting(base: Snapshot, target: CheckpointIndex | MemoryCheckpoint, requested: str, *, level: int,
+                   workers: int, allow_extended: bool = False) -> tuple[Setting, Choice | None]:
     """The encoding and zstd level to publish with; for ``auto``, measured on a sample (``storage.autoselect``).
 
     ``auto`` considers the canonical encodings only, unless ``allow_extended``
@@ -113,7 +125,7 @@ def choose_setting(base: Snapshot, target: CheckpointIndex, requested: str, *, l
         if requested not in CANONICAL + EXTENDED:
             raise ValueError(f"unknown delta encoding {requested!r} (known: auto, {', '.join(CANONICAL + EXTENDED)})")
         return Setting(requested, level), None
-    bmaps, tmaps = _Tensors(base.index), _Tensors(target)
+    bmaps, tmaps = _reader(base.index), _reader(target)
     try:
         names = sorted(target.tensors)
         choice = autoselect.choose(
@@ -126,8 +138,8 @@ def choose_setting(base: Snapshot, target: CheckpointIndex, requested: str, *, l
     return choice.setting, choice
 
 
-def choose_encoding(base: Snapshot, target: CheckpointIndex, requested: str, *, workers: int, level: int = 3,
-                    allow_extended: bool = False) -> str:
+def choose_encoding(base: Snapshot, target: CheckpointIndex | MemoryCheckpoint, requested: str, *, workers: int,
+                    level: int = 3, allow_extended: bool = False) -> str:
     """``requested``, or for ``auto`` the encoding whose frames are smallest on a sample of this revision."""
     return choose_setting(base, target, requested, level=level, workers=workers,
                           allow_extended=allow_extended)[0].encoding
@@ -135,7 +147,7 @@ def choose_encoding(base: Snapshot, target: CheckpointIndex, requested: str, *, 
 
 def stage_delta(
     base: Snapshot,
-    target: CheckpointIndex,
+    target: CheckpointIndex | MemoryCheckpoint,
     folder: Path,
     *,
     version: str,
@@ -155,14 +167,14 @@ def stage_delta(
     (results taken in name order), each in one pass over base and target
     (``storage.encoding``). Memory holds the frames of the tensors in flight.
     """
-    require_same_layout(base.index.layout(), target.layout(), revision=version, file=str(target.folder))
+    require_same_layout(base.index.layout(), target.layout(), revision=version, file=source_label(target))
     setting, choice = choose_setting(base, target, encoding, level=level, workers=workers,
                                      allow_extended=allow_extended)
     remove_tree(folder)
     folder.mkdir(parents=True)
     payload = Payload(folder, DELTA_INDEX_FILE, encoding=setting.encoding, checksums=dict(base.checksums),
                       level=setting.level, auto=choice)
-    bmaps, tmaps = _Tensors(base.index), _Tensors(target)
+    bmaps, tmaps = _reader(base.index), _reader(target)
     weight_map: dict[str, str] = {}
     bucket: list[tuple[str, bytes, str]] = []
     bucket_decoded = 0
@@ -237,7 +249,7 @@ def _pool(workers: int):
     return _Inline() if workers <= 1 else ThreadPoolExecutor(max_workers=workers, thread_name_prefix="encode")
 
 
-def _in_order(pool, fn, names: list[str], index: CheckpointIndex, limit: int, workers: int):
+def _in_order(pool, fn, names: list[str], index: CheckpointIndex | MemoryCheckpoint, limit: int, workers: int):
     """``(name, fn(name))`` in ``names`` order, computed ahead by ``pool``.
 
     Up to ``limit`` decoded bytes (and at least ``workers + 1`` tensors) are in
@@ -259,7 +271,10 @@ def _in_order(pool, fn, names: list[str], index: CheckpointIndex, limit: int, wo
 
 
 def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], None] | None = None) -> Payload:
-    """Copy a checkpoint's shards with per-tensor checksums in their metadata, plus a declaring index."""
+    """Copy a checkpoint's shards with per-tensor checksums in their metadata, plus a declaring index.
+
+    A checkpoint in memory is its one shard (``storage.tensor_source``), written from the arrays.
+    """
     remove_tree(folder)
     folder.mkdir(parents=True)
     index = snapshot.index
@@ -268,15 +283,14 @@ def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], No
         tensors = sorted(header.tensors.values(), key=lambda t: t.start)
         metadata = dict(header.metadata) | {t.name: snapshot.checksums[t.name] for t in tensors}
         raw, _ = encode_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata)
-        with open(index.folder / name, "rb") as src, open(folder / name, "wb") as dst:
+        memory = isinstance(index, MemoryCheckpoint)
+        with open(folder / name, "wb") as dst, open(os.devnull if memory else index.folder / name, "rb") as src:
             dst.write(raw)
             for t in tensors:
-                src.seek(header.data_offset + t.start)
-                left = t.nbytes
-                while left:
-                    chunk = src.read(min(left, 16 * 2**20))
-                    dst.write(chunk)
-                    left -= len(chunk)
+                if memory:
+                    dst.write(memoryview(index.array(t.name)))
+                else:
+                    _copy_range(src, header.data_offset + t.start, t.nbytes, dst)
                 if progress:
                     progress(t.nbytes)
         payload.files.append(name)
@@ -288,6 +302,15 @@ def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], No
                 "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_bytes(json.dumps(manifest, indent=2).encode())
     return payload
+
+
+def _copy_range(src, offset: int, nbytes: int, dst) -> None:
+    """Copy ``nbytes`` from ``offset`` of ``src`` to ``dst``, 16 MiB at a time."""
+    src.seek(offset)
+    while nbytes:
+        chunk = src.read(min(nbytes, 16 * 2**20))
+        dst.write(chunk)
+        nbytes -= len(chunk)
 
 
 def upload_payload(objects: ObjectStore, payload: Payload, url: str, *, workers: int) -> int:
@@ -332,13 +355,37 @@ def same_publication(existing: Revision, record: Revision) -> bool:
     return a == b
 
 
-class PublisherCopy:
-    """The publisher's own copy of the last published checkpoint (the next delta's base)."""
+KEEP_BASES = ("disk", "memory")
 
-    def __init__(self, state_dir: Path, model: str):
+
+@dataclass(frozen=True)
+class _KeptInMemory:
+    version: str
+    checksum_format: str
+    checksums: Mapping[str, str]
+    checkpoint: MemoryCheckpoint
+
+
+_IN_MEMORY: dict[Path, _KeptInMemory] = {}  # this process's kept bases, by publisher state folder
+_IN_MEMORY_LOCK = threading.Lock()
+
+
+class PublisherCopy:
+    """The publisher's own copy of the last published checkpoint (the next delta's base).
+
+    It lives on disk (``state_dir``, a checkpoint folder and ``last.json``)
+    or, with ``keep_base="memory"``, in this process (a copy of the tensors
+    as published; gone when the process ends, when the disk copy, if it is
+    the exact base, serves instead).
+    """
+
+    def __init__(self, state_dir: Path, model: str, *, keep_base: str = "disk"):
+        if keep_base not in KEEP_BASES:
+            raise ValueError(f"keep_base must be one of {', '.join(KEEP_BASES)}, not {keep_base!r}")
         self.root = Path(state_dir).expanduser() / model.replace("/", "--")
         self.checkpoint = self.root / "checkpoint"
         self.record_path = self.root / "last.json"
+        self.in_memory = keep_base == "memory"
 
     def last(self) -> dict | None:
         raw = read_json_file(self.record_path)
@@ -346,6 +393,11 @@ class PublisherCopy:
 
     def base_for(self, base: Revision, *, workers: int) -> Snapshot:
         """The kept copy as a snapshot of ``base``, refusing anything but the exact base."""
+        kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
+        if kept is not None and kept.version == base.version and kept.checksum_format == base.checksum_format:
+            snap = snapshot_of(kept.checkpoint, base.checksum_format, workers=workers, checksums=kept.checksums)
+            if snap.target_digest == base.target_digest:
+                return snap
         last = self.last()
         if last is None or not self.checkpoint.is_dir():
             raise LineageError("no base checkpoint: pass --base-checkpoint (the publisher keeps no copy yet)",
@@ -360,18 +412,35 @@ class PublisherCopy:
                                file=str(self.checkpoint))
         return snap
 
-    def keep(self, source: Path, version: str, checksum_format: str, checksums: Mapping[str, str]) -> None:
-        """Replace the kept copy with ``source`` as published under ``version``."""
+    def keep(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
+             checksums: Mapping[str, str]) -> None:
+        """Replace the kept copy with ``source`` (a folder, or tensors in memory) as published under ``version``.
+
+        In memory, the tensors are copied (the trainer's own ones change with
+        its next step); on disk, tensors in memory are written as their one
+        shard (``storage.tensor_source``).
+        """
+        if self.in_memory and isinstance(source, MemoryCheckpoint):
+            kept = _KeptInMemory(version, checksum_format, dict(checksums), source.copy())
+            with _IN_MEMORY_LOCK:
+                _IN_MEMORY[self.root.resolve()] = kept
+            return
         staging = self.root / "checkpoint.new"
         remove_tree(staging)
         self.root.mkdir(parents=True, exist_ok=True)
-        copy_tree_files(source, staging)
+        if isinstance(source, MemoryCheckpoint):
+            staging.mkdir()
+            source.write(staging)
+        else:
+            copy_tree_files(source.folder if isinstance(source, CheckpointIndex) else source, staging)
         remove_tree(self.checkpoint)
         self.record_path.unlink(missing_ok=True)
         staging.rename(self.checkpoint)
         files = {p.name: file_identity(p) for p in sorted(self.checkpoint.iterdir()) if p.is_file()}
         atomic_write_json(self.record_path, {"version": version, "checksum_format": checksum_format,
                                              "checksums": dict(checksums), "files": files})
+        with _IN_MEMORY_LOCK:  # the disk copy is now the newer one
+            _IN_MEMORY.pop(self.root.resolve(), None)
 
 
 def existing_record(catalog: Catalog, version: str) -> Revision | None:

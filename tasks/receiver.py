@@ -110,7 +110,7 @@ class Receiver:
         self.stop = (stop or PROCESS).child()  # stops when the process is interrupted, or on its own
         self.store = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes, create=False)
         self.artifacts = ArtifactCache(self.store)
-        self._objects = ObjectStore(params.storage)
+        self._objects = ObjectStore.shared(params.storage)
         self._stage_view = threading.local()  # fetch and apply run at once: each stage counts its own requests
         self.catalog = Catalog(self._objects, params.catalog, params.model, cache_dir=self.store.catalog_dir)
         self.ledger = Ledger()
