@@ -180,9 +180,10 @@ class Postgres:
 
 
 class PrefectServer:
-    """``prefect server start`` on PostgreSQL, 127.0.0.1, its own PREFECT_HOME, UI off."""
+    """``prefect server start`` on PostgreSQL (``database_url``; None: SQLite in its home), 127.0.0.1, its own
+    PREFECT_HOME, UI off."""
 
-    def __init__(self, root: Path, database_url: str, *, extra_env: dict[str, str] | None = None):
+    def __init__(self, root: Path, database_url: str | None, *, extra_env: dict[str, str] | None = None):
         self.root = Path(root)
         self.home = self.root / "server-home"
         self.log = self.root / "server.log"
@@ -197,8 +198,8 @@ class PrefectServer:
         import httpx
 
         self.home.mkdir(parents=True, exist_ok=True)
-        env = quiet_env(PREFECT_HOME=str(self.home), PREFECT_SERVER_DATABASE_CONNECTION_URL=self.database_url,
-                        PREFECT_UI_ENABLED="false", **self.extra_env)
+        database = {"PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url} if self.database_url else {}
+        env = quiet_env(PREFECT_HOME=str(self.home), PREFECT_UI_ENABLED="false", **database, **self.extra_env)
         started = time.monotonic()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
@@ -1107,3 +1108,35 @@ def _r(x, digits: int = 3):
 def _dist(values: list) -> dict:
     xs = [v for v in values if v is not None]
     return {"p50": _r(percentile(xs, .5)), "max": _r(max(xs)) if xs else None, "min": _r(min(xs)) if xs else None}
+
+
+def bench_main(name: str, argv: list[str] | None, parse_args, run, table, log) -> int:
+    """The command line of a fleet-lab benchmark: a scratch folder, ``run``, its JSON under benchmarks/results/,
+    then ``table`` printed."""
+    import shlex
+    import shutil
+    import tempfile
+    from datetime import datetime, timezone
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out = args.json or ROOT / "benchmarks" / "results" / f"{name}-{stamp}.json"
+    root = Path(tempfile.mkdtemp(prefix=f"canonical-refit-{name}-"))
+    log(f"working in {root}; load average {load_average()}")
+    started = time.perf_counter()
+    try:
+        result = run(args, root)
+    finally:
+        if args.keep:
+            log(f"kept {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    result["command"] = f"python -m benchmarks.{name} " + shlex.join(argv)
+    result["started_at"] = stamp
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(table(result))
+    print(f"\nJSON: {out}")
+    return 0

@@ -25,18 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import shutil
 import sys
-import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks._fleetlab import FleetLab, load_average, machine, percentile
+from benchmarks._fleetlab import FleetLab, bench_main, load_average, machine, percentile
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
 SCHEMA = "canonical-refit.benchmark.warm.v1"
 GOALS = {"publish_to_ready_s": 2.0, "overhead_s": 0.5}
 
@@ -187,28 +181,7 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = args.json or RESULTS / f"warm-{stamp}.json"
-    root = Path(tempfile.mkdtemp(prefix="canonical-refit-warm-"))
-    log(f"working in {root}; load average {load_average()}")
-    started = time.perf_counter()
-    try:
-        result = run(args, root)
-    finally:
-        if args.keep:
-            log(f"kept {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-    result["command"] = "python -m benchmarks.warm " + shlex.join(argv)
-    result["started_at"] = stamp
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    print(table(result))
-    print(f"\nJSON: {out}")
-    return 0
+    return bench_main("warm", argv, parse_args, run, table, log)
 
 
 if __name__ == "__main__":

@@ -72,11 +72,16 @@ def runbook(rx: Receiver) -> str:
             with fetching_beside(rx, plan, baseline, indexes) as arrivals:
                 prepared = APPLY_DELTAS(rx, plan, baseline, indexes, arrivals)
             verified = VERIFY_DIGEST(rx, plan, prepared)
-        flush_in_background(rx.store, verified.checkpoint)  # READY now; its pages reach the disk meanwhile
         lock.downgrade()
-        receipt = INSTALL(rx, verified)
-        if rx.params.activate:
-            ACTIVATE(rx, receipt)
+        try:
+            receipt = INSTALL(rx, verified)
+            if rx.params.activate:
+                ACTIVATE(rx, receipt)
+        finally:
+            # READY without waiting for the disk: the pages are written back in the background, once the engine
+            # has the weights (a write-back started earlier makes the install and active.json's fsync queue
+            # behind a whole checkpoint of dirty pages)
+            flush_in_background(rx.store, verified.checkpoint)
     return READY
 
 

@@ -46,7 +46,24 @@ def check_shard_name(name: object, *, revision: str | None = None, file: str | N
     return name
 
 
-class CheckpointIndex:
+class TensorTable:
+    """What a checkpoint's table of tensors (``self.tensors``: name -> ``TensorLocation``) tells by itself."""
+
+    tensors: dict[str, TensorLocation]
+
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
+        """``{name: (dtype, shape, nbytes)}``, the part two checkpoints must share for a delta."""
+        return {t.name: (t.dtype, t.shape, t.nbytes) for t in self.tensors.values()}
+
+    def format_digest(self) -> str:
+        return format_digest((t.name, t.dtype, t.shape) for t in self.tensors.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+class CheckpointIndex(TensorTable):
     """Tensor locations of a checkpoint folder (its index file, or every ``*.safetensors``)."""
 
     def __init__(self, folder: Path, tensors: Mapping[str, TensorLocation], headers: Mapping[str, SafetensorsHeader]):
@@ -97,17 +114,6 @@ class CheckpointIndex:
                         file=str(index_path), tensor=tensor, revision=revision,
                     )
         return cls(folder, tensors, headers)
-
-    def layout(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
-        """``{name: (dtype, shape, nbytes)}``, the part two checkpoints must share for a delta."""
-        return {t.name: (t.dtype, t.shape, t.nbytes) for t in self.tensors.values()}
-
-    def format_digest(self) -> str:
-        return format_digest((t.name, t.dtype, t.shape) for t in self.tensors.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
     def checksums(
         self,

@@ -25,8 +25,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from storage.checkpoint import TensorLocation
-from storage.digests import format_digest, new_checksum
+from storage.checkpoint import TensorLocation, TensorTable
+from storage.digests import new_checksum
 from storage.errors import FormatError
 from storage.safetensors import encode_header, parse_header, write_safetensors
 
@@ -50,7 +50,7 @@ TORCH_DTYPES = {
 }
 
 
-class MemoryCheckpoint:
+class MemoryCheckpoint(TensorTable):
     """Tensors in memory as one safetensors shard would hold them (``CheckpointIndex``'s questions, answered)."""
 
     folder = None  # nothing on disk; errors name the revision and tensor
@@ -67,16 +67,6 @@ class MemoryCheckpoint:
         self.headers = {MEMORY_SHARD: header}
         self.tensors = {t.name: TensorLocation(t.name, MEMORY_SHARD, header.data_offset + t.start, t.nbytes,
                                                t.dtype, t.shape) for t in header.tensors.values()}
-
-    def layout(self) -> dict[str, tuple[str, tuple[int, ...], int]]:
-        return {t.name: (t.dtype, t.shape, t.nbytes) for t in self.tensors.values()}
-
-    def format_digest(self) -> str:
-        return format_digest((t.name, t.dtype, t.shape) for t in self.tensors.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
 
     def array(self, name: str) -> np.ndarray:
         """The tensor's bytes: a 1-D ``uint8`` view of the caller's memory."""

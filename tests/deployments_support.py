@@ -17,6 +17,7 @@ from uuid import UUID
 from benchmarks._fleetlab import (  # noqa: F401  (re-exported to the deployment tests)
     FINAL_STATE_TYPES, PREFECT, PYTHON, ROOT, free_port, quiet_env, tail, target_of, wait_until,
 )
+from benchmarks._fleetlab import PrefectServer as LabServer
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -37,56 +38,15 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         pass
 
 
-class PrefectServer:
-    """``prefect server start --host 127.0.0.1`` with its own PREFECT_HOME and SQLite database."""
+class PrefectServer(LabServer):
+    """The lab's ``prefect server``, on SQLite in its own PREFECT_HOME (one module's tests)."""
 
     def __init__(self, root: Path):
-        self.root = Path(root)
-        self.home = self.root / "server-home"
-        self.log = self.root / "server.log"
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 120.0) -> "PrefectServer":
-        import httpx
-
-        self.home.mkdir(parents=True, exist_ok=True)
-        env = quiet_env(PREFECT_HOME=str(self.home))
-        env.pop("PREFECT_API_URL", None)
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(
-                [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
-                env=env, cwd=self.root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-        def healthy() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"prefect server exited with {self.proc.returncode}\n{tail(self.log)}")
-            try:
-                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        try:
-            wait_until("the Prefect server to be healthy", healthy, timeout_s, diagnostics=lambda: tail(self.log))
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc)
+        super().__init__(root, None)
 
     def env(self, home: Path, **extra: str) -> dict[str, str]:
         """Environment of a client process of this server (its own PREFECT_HOME)."""
-        home.mkdir(parents=True, exist_ok=True)
-        return quiet_env(PREFECT_API_URL=self.url, PREFECT_HOME=str(home), **extra)
-
-    def client(self):
-        from prefect.client.orchestration import SyncPrefectClient
-
-        return SyncPrefectClient(self.url)
+        return self.client_env(home, **extra)
 
 
 def run(cmd: list[str], env: dict[str, str], *, timeout_s: float = 120.0, cwd: Path = ROOT) -> str:
