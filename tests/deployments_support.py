@@ -8,8 +8,6 @@ is stopped by its PID with a bounded wait.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 from pathlib import Path
 from uuid import UUID
@@ -18,24 +16,7 @@ from benchmarks._fleetlab import (  # noqa: F401  (re-exported to the deployment
     FINAL_STATE_TYPES, PREFECT, PYTHON, ROOT, free_port, quiet_env, tail, target_of, wait_until,
 )
 from benchmarks._fleetlab import PrefectServer as LabServer
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM, a bounded wait, then SIGKILL to the process group it leads (started with a new session)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # children left in its group (uvicorn, flow-run subprocesses)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
+from benchmarks._fleetlab import _stop_group as stop_process  # noqa: F401  (SIGTERM, bounded wait, SIGKILL to the group)
 
 
 class PrefectServer(LabServer):

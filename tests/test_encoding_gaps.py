@@ -9,7 +9,6 @@ big cases check with ``tracemalloc`` that memory stays bounded whatever the coun
 from __future__ import annotations
 
 import struct
-import tracemalloc
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from storage.codec import make_decoder, sparse_record, validate_frame
 from storage.encoding import Encoder, Setting, encode_delta
 from storage.errors import CodecError
 from storage.gaps import gaps_record, varints
+from test_codec_memory import traced
 
 MiB = 2**20
 CTX = {"revision": "r9", "file": "bucket-0.safetensors", "tensor": "w"}
@@ -190,17 +190,6 @@ def test_a_summary_that_does_not_match_the_frame_gives_a_codec_error_while_apply
 
 
 # --- bounded memory ---------------------------------------------------------------------------------------------
-
-
-def traced(fn):
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        start = tracemalloc.get_traced_memory()[0]
-        result = fn()
-        return result, tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
 
 
 def test_a_huge_count_validates_and_applies_in_bounded_memory():
