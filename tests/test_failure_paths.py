@@ -177,16 +177,19 @@ def test_the_first_error_is_reported_not_a_worker_stopped_because_of_it(tmp_path
 
 
 def test_an_interrupt_in_the_calling_thread_stops_and_joins_the_workers_before_undoing(tmp_path):
+    # Python's own Ctrl-C (KeyboardInterrupt in the main thread), whatever handler an earlier test left
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     index, plans, base = _checkpoint_with_deltas(tmp_path, {"a": 1 << 20, "b": 1 << 20})
     source = _Slow(plans, block_on="b")  # one worker parks in plan(): the main thread is left joining
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
     try:
+        timer.start()
         with pytest.raises(KeyboardInterrupt) as caught:  # an interrupt stays an interrupt, not bad input
             apply_patches(index, source, target_checksum_format="adler32", workers=2, block_size=4096,
                           undo_to=base, undo_format="adler32")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert not isinstance(caught.value, FormatError)
     assert caught.value.undone is True
     assert not [t.name for t in threading.enumerate() if t.name.startswith("apply-")]  # workers joined
