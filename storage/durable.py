@@ -165,6 +165,9 @@ def copy_file(src: Path, dst: Path, progress: Callable[[int], None] | None = Non
             progress and progress(size)
         fout.flush()
         os.fsync(fout.fileno())
+        written = os.fstat(fout.fileno()).st_size
+        if written != size:  # never leave a short copy behind a successful return
+            raise OSError(errno.EIO, f"copied {written} of {size} bytes of {src} into {dst}")
     return size
 
 
@@ -198,8 +201,9 @@ def _copy_range(fin, fout, size: int, progress, stop) -> None:
             chunk = os.pread(fin.fileno(), n, offset)
             if not chunk:
                 raise OSError(errno.EIO, f"unexpected end of {fin.name} at {offset} of {size}")
-            os.pwrite(fout.fileno(), chunk, offset)
-            copied = len(chunk)
+            copied = os.pwrite(fout.fileno(), chunk, offset)  # a full disk may take only part of it
+            if not copied:
+                raise OSError(errno.ENOSPC, f"no space left writing {fout.name} at {offset} of {size}")
         offset += copied
         if progress:
             progress(copied)

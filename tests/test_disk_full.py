@@ -23,6 +23,7 @@ import crash_trials as ct
 from storage import durable
 from storage.durable import tree_size
 from storage.errors import StoreError
+from storage.flush import wait_for_flushes
 from flows.refit import run_refit
 from storage.settings import RefitParams
 
@@ -80,6 +81,7 @@ def refit(world, cache: Path, target: str):
     params = RefitParams(catalog=world.catalog, model=world.lab.model, seed_checkpoint=str(world.lab.launch),
                          cache_dir=cache, target=target, apply_workers=2, lock_timeout_s=30)
     result = run_refit(params, installer=cs.RecordingEngine(cache / "engine.json"))
+    assert wait_for_flushes(60)  # its background write-back too, as the command line waits for it before exiting
     return None if result.status == "READY" else result.exception
 
 
