@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import _throttle
-from benchmarks._meter import RssSampler, counters, delta, max_rss_bytes, ru_maxrss_bytes
+from benchmarks._meter import RssSampler, counters, delta, max_rss_bytes, ru_maxrss_bytes, union_s
 from benchmarks._scratch import clone_store, copy_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,16 +87,6 @@ def _stages(rx) -> list[dict]:
     return out
 
 
-def _union_s(spans: list[list[float]]) -> float:
-    """Length of the union of ``[start, end]`` intervals."""
-    total, end = 0.0, float("-inf")
-    for b, e in sorted(spans):
-        if e > end:
-            total += e - max(b, end)
-            end = e
-    return total
-
-
 def _peak(sampler, rx, origin: float, stop: float) -> dict | None:
     """Where in the run the anonymous memory peaked: time from the run's start and the stage running then."""
     peak = sampler.peak_between(origin, stop)
@@ -136,7 +126,7 @@ def _refit_run(mode: str, params, target: str, metered, sampler) -> dict:
         raise SystemExit(f"refit to {target} did not install it: {active}")
     stages = _stages(rx)
     # stages may overlap (fetch and apply): the work is the time some stage was running, counted once
-    work = _union_s([s["span"] for s in stages if s.get("span")])
+    work = union_s([s["span"] for s in stages if s.get("span")])
     ready = (rx.spans.get("verify digest") or [None, None])[1]
     out = {"target": target, "catalog": params.catalog, "status": "READY", "version": active.version,
            "digest": active.digest, "wall_s": totals["wall_s"], "stage_work_s": round(work, 4),

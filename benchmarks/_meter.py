@@ -147,3 +147,13 @@ class RssSampler:
 def load_average() -> list[float]:
     """1, 5 and 15-minute load averages (what ``uptime`` prints)."""
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def union_s(spans) -> float:
+    """Length of the union of ``[start, end]`` intervals (time any of them was running)."""
+    total, end = 0.0, float("-inf")
+    for b, e in sorted(spans):
+        if e > end:
+            total += e - max(b, end)
+            end = e
+    return total

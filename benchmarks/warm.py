@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks._fleetlab import FleetLab, bench_main, load_average, machine, percentile
+from benchmarks._meter import union_s
 
 SCHEMA = "canonical-refit.benchmark.warm.v1"
 GOALS = {"publish_to_ready_s": 2.0, "overhead_s": 0.5}
@@ -55,16 +56,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.quick:
         args.publications, args.idle_seconds = 3, 20.0
     return args
-
-
-def union_s(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end] intervals."""
-    total, end = 0.0, float("-inf")
-    for b, e in sorted(spans):
-        if e > end:
-            total += e - max(b, end)
-            end = e
-    return total
 
 
 def spans_of(path: Path, flow_run: str) -> list[dict]:
