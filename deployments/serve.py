@@ -132,6 +132,7 @@ NODE_FLAGS = [
     Flag("catalog"), Flag("model"), Flag("node"), Flag("seed_checkpoint"), Flag("initial_version"), Flag("cache_dir"),
     Flag("cache_max_gb"), Flag("apply_workers"), Flag("installer.kind", "--installer"),
     Flag("installer.engine_urls", "--engine-url"), Flag("retries"), Flag("retry_delay_s", "--retry-delay"),
+    Flag("stage_retries"), Flag("stage_retry_delay_s", "--stage-retry-delay"),
     Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
 ]
 SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),

@@ -23,7 +23,8 @@ REFIT_FLAGS = [
     Flag("catalog"), Flag("model"), Flag("node"), Flag("target"), Flag("initial_version"), Flag("seed_checkpoint"),
     Flag("cache_dir"), Flag("cache_max_gb"), Flag("apply_workers"), Flag("verify"),
     Flag("lock_timeout_s", "--lock-timeout"), Flag("activate", invert=True), Flag("only_if_newer"),
-    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), *INSTALLER_FLAGS,
+    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
+    Flag("stage_retry_delay_s", "--stage-retry-delay"), *INSTALLER_FLAGS,
     Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
 ]
 RECOVER_FLAGS = [Flag("model"), Flag("cache_dir"), Flag("lock_timeout_s", "--lock-timeout"), *INSTALLER_FLAGS,
@@ -44,7 +45,7 @@ def _run_parser() -> argparse.ArgumentParser:
 
 
 def _sub_parser(command: str) -> argparse.ArgumentParser:
-    from flows.recover import RecoverParams
+    from storage.settings import RecoverParams
 
     helps = {
         "status": "print the store state and the installed identity",
@@ -72,6 +73,10 @@ def build_params(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_expected_errors()
+    if not argv or argv[0] not in _COMMANDS:  # a refit or the demo: a flow run, through a Prefect API
+        from flows.prefect_api import preselect_local_server
+
+        preselect_local_server()
     if not argv:
         from flows.prefect_api import prefect_api
         from flows.demo import run_demo
@@ -174,7 +179,7 @@ def abandoned() -> bool:
 
 
 def _status(args) -> int:
-    from flows.recover import RecoverParams
+    from storage.settings import RecoverParams
     from storage.local_store import LocalStore
 
     params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
@@ -188,7 +193,8 @@ def _status(args) -> int:
 
 
 def _recover(args) -> int:
-    from flows.recover import RecoverParams, run_recover
+    from flows.recover import run_recover
+    from storage.settings import RecoverParams
 
     result = run_recover(build(RecoverParams, given(args, RECOVER_FLAGS)))
     if args.json:
@@ -203,7 +209,7 @@ def _recover(args) -> int:
 
 
 def _activate(args) -> int:
-    from flows.recover import RecoverParams
+    from storage.settings import RecoverParams
     from storage.errors import RefitError
     from storage.local_store import LocalStore
 
@@ -221,12 +227,23 @@ def _activate(args) -> int:
 
 
 def exit_with(code: int) -> None:
-    """Exit with ``code``; immediately if a flow thread was abandoned to a dead API."""
-    if abandoned():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    raise SystemExit(code)
+    """Exit with ``code`` once the output is flushed, without the interpreter's teardown.
+
+    By now the result is printed, the run's logs and events were drained to
+    the API and the checkpoint's write-back has finished (or a flow thread
+    was abandoned to a dead API): what is left is Prefect's exit handlers
+    and module teardown, about a second of a one-off command's time.
+    """
+    import logging
+
+    for handler in logging.getLogger().handlers + logging.getLogger("prefect").handlers:
+        try:
+            handler.flush()
+        except Exception:  # a handler that cannot flush has nothing the user still needs
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

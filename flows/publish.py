@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import os
 
+if __name__ == "__main__":  # the CLI: settle which Prefect API to use before Prefect is imported
+    from flows.prefect_api import preselect_local_server
+
+    preselect_local_server()
+
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
 # stage helpers log from worker threads, outside any run context: keep those lines local
 os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
@@ -40,6 +45,9 @@ from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
 from tasks.stage import in_flow_run, step  # noqa: E402
+from flows import heartbeats  # noqa: E402
+
+heartbeats.install()
 
 log = logging.getLogger("canonical_refit.publish")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
@@ -164,7 +172,7 @@ def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> t
     return stage_full(snap, staging), snap
 
 
-@step("upload payload", retries=2, retry_delays_s=(1.0, 4.0))  # a conflict or a denied write cannot succeed later
+@step("upload payload", retry=lambda params, *_: params.stage_retry_policy())  # a conflict cannot succeed later
 def upload(params: PublishParams, objects: ObjectStore, payload: Payload | None, url: str) -> int:
     return upload_payload(objects, payload, url, workers=params.storage.concurrency) if payload else 0
 
@@ -219,18 +227,8 @@ def put_publication(params: PublishParams, objects: ObjectStore, catalog: Catalo
 
 
 def retried(params: PublishParams, what: str, fn):
-    """``fn()``, called again after a transient failure: ``params.retries`` times, the delay doubling."""
-    for attempt in range(1, params.retries + 2):
-        try:
-            return fn()
-        except RefitError as exc:
-            if not exc.transient or attempt > params.retries:
-                raise
-            delay = params.retry_delay_s * 2 ** (attempt - 1)
-            log.warning("%s failed on a transient error (attempt %d of %d); retrying in %.0fs: %s", what, attempt,
-                        params.retries + 1, delay, exc)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    """``fn()``, called again after a transient failure under the publication's retry policy."""
+    return params.publication_retry_policy().call(what, fn)
 
 
 def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None,
@@ -247,7 +245,9 @@ def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None
     started = time.perf_counter()
     objects = ObjectStore.shared(params.storage)
     catalog = Catalog(objects, params.catalog, params.model)
-    for prefix in {catalog.url, payload_root(params, catalog)}:  # catalog and payloads may be two buckets
+    # the catalog's prefix first: with one bucket for both, the probe is always under {catalog}/ (the one
+    # prefix a least-privilege policy lets the publisher delete in); a payload bucket of its own is probed too
+    for prefix in dict.fromkeys([catalog.url, payload_root(params, catalog)]):
         retried(params, "checking create-only writes", lambda p=prefix: objects.ensure_conditional_writes(
             p, allow_unconditional=params.allow_unconditional_writes))
     plan = plan_revision(params, catalog, source, keep_base)
@@ -292,7 +292,8 @@ PUBLISH_FLAGS = [
     Flag("base_version"), Flag("base_checkpoint"), Flag("state_dir"), Flag("keep_copy", invert=True),
     Flag("encoding"), Flag("checksum_format"), Flag("bucket_max_mib", "--bucket-mib"), Flag("zstd_level"),
     Flag("workers"), Flag("allow_unconditional_writes"), Flag("emit_event", "--no-event", invert=True),
-    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("storage.concurrency", "--upload-workers"),
+    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
+    Flag("stage_retry_delay_s", "--stage-retry-delay"), Flag("storage.concurrency", "--upload-workers"),
     Flag("storage.endpoint_url", "--s3-endpoint-url"),
 ]
 
@@ -324,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         state = publish(params, return_state=True)
     value = state.result(raise_on_failure=False)
     if isinstance(value, PublishResult):
-        print(json.dumps(asdict(value), sort_keys=True) if as_json else
-              "\n".join(f"{k}: {v}" for k, v in asdict(value).items()))
+        print(json.dumps(asdict(value), sort_keys=True) if as_json else  # text: only what there is
+              "\n".join(f"{k}: {v}" for k, v in asdict(value).items() if v is not None))
         return 0
     message = str(value) if isinstance(value, RefitError) else f"{state.name}: {state.message}"
     print(json.dumps({"error": message}) if as_json else f"error: {message}")
@@ -333,4 +334,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from flows.cli import exit_with
+
+    exit_with(main())

@@ -12,32 +12,15 @@ refused unless ``override_installer`` says so explicitly.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from prefect import flow
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.errors import InstallError, StoreError
 from storage.local_store import LocalStore
-from storage.settings import DEFAULT_CACHE_DIR, MODEL_PATTERN, InstallerSettings
+from storage.settings import InstallerSettings, RecoverParams
 from tasks.install import install_checkpoint
 from tasks.installers import make_installer
 from tasks.verify_digest import VerifiedTarget
-
-
-class RecoverParams(BaseSettings):
-    """Parameters of a recovery (env prefix ``CANONICAL_REFIT_``, like a refit's)."""
-
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
-
-    model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
-    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
-    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
-    installer: InstallerSettings | None = Field(
-        None, description="installer to re-install through (default: the one recorded when the node was poisoned)")
-    override_installer: bool = Field(
-        False, description="re-install through `installer` even though the node was poisoned through another")
 
 
 @dataclass

@@ -10,6 +10,11 @@ no arguments at all it runs the embedded demo (``flows.demo``).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the CLI (flows.cli); Prefect is imported only by the commands that run a flow
+    from flows.cli import exit_with, main
+
+    exit_with(main())
+
 import os
 
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
@@ -36,6 +41,7 @@ from storage.objects import ObjectStore  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
 from storage.pipeline import Arrivals  # noqa: E402
 from storage.reconstruct import roll_back  # noqa: E402
+from storage.retry import transient  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
 from tasks.activate import ACTIVATE  # noqa: E402
 from tasks.apply_deltas import APPLY_DELTAS  # noqa: E402
@@ -49,6 +55,9 @@ from tasks.seed_checkpoint import SEED_CHECKPOINT  # noqa: E402
 from tasks.stage import in_flow_run  # noqa: E402
 from tasks.verify_digest import VERIFY_DIGEST  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
+from flows import heartbeats  # noqa: E402
+
+heartbeats.install()
 
 log = logging.getLogger("canonical_refit.refit")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
@@ -150,17 +159,18 @@ def run_refit(params: RefitParams, *, installer=None, reporter: PrefectReporter 
     stop = stop or current_stop.get()
     waiting = stop.child()
     attempts: list[dict] = []
+    policy = params.run_retry_policy()
     try:
-        for attempt in range(1, params.retries + 2):
+        for attempt in range(1, policy.attempts + 1):
             started = time.monotonic()
             result = run_attempt(params, installer, reporter, stop, attempt)
             attempts.append({"attempt": attempt, "status": result.status, "error": result.error,
                              "seconds": round(time.monotonic() - started, 3)})
-            if not retryable_run(result) or attempt > params.retries:
+            if not retryable_run(result) or attempt >= policy.attempts:
                 break
-            delay = params.retry_delay_s * 2 ** (attempt - 1)
+            delay = policy.delay(attempt)
             log.warning("refit of %s to %s failed on a transient error (attempt %d of %d); retrying the whole run "
-                        "in %.0fs: %s", params.model, params.target, attempt, params.retries + 1, delay, result.error)
+                        "in %.0fs: %s", params.model, params.target, attempt, policy.attempts, delay, result.error)
             if waiting.wait(delay):
                 result.status, result.next_step = INTERRUPTED, next_step_after_interrupt(params)
                 break
@@ -195,7 +205,8 @@ def report_node(params: RefitParams, result: RefitResult) -> None:
     record = NodeRecord(node=params.node, model=params.model, version=active.version if active else None,
                         digest=active.digest if active else None, status=result.status, target=params.target,
                         error=result.error, stages=stages, bytes_fetched=fetched,
-                        attempts=max(1, len(result.attempts)), updated_at_unix_ms=int(time.time() * 1000))
+                        attempts=max(1, len(result.attempts)), updated_at_unix_ms=int(time.time() * 1000),
+                        launch_files=active.launch_files if active else None)
     try:
         write_node_record(ObjectStore.shared(params.storage), params.catalog, record)
     except RefitError as exc:
@@ -214,8 +225,7 @@ def report_node(params: RefitParams, result: RefitResult) -> None:
 
 def retryable_run(result: RefitResult) -> bool:
     """A failed run is retried only for a transient error (never poisoned, interrupted or bad input)."""
-    error = result.exception
-    return result.status == FAILED and isinstance(error, RefitError) and error.transient
+    return result.status == FAILED and transient(result.exception, rolled_back=True)
 
 
 def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None, stop: StopToken | None,
@@ -316,8 +326,3 @@ def _carrier(result: RefitResult) -> RefitError:
     error.result = result
     return error
 
-
-if __name__ == "__main__":
-    from flows.cli import exit_with, main
-
-    exit_with(main())

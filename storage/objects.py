@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from storage.durable import atomic_write_bytes, create_only_write
 from storage.errors import (
+    RefitError,
     ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
 from storage.classify import classify, local_error
@@ -185,32 +185,37 @@ class ObjectStore:
     # -- retries -----------------------------------------------------------------
 
     def call(self, what: str, url: str, fn: Callable[[], T], *, check: Callable[[], None] | None = None) -> T:
-        """Run ``fn`` with bounded exponential backoff on transient errors.
+        """Run ``fn`` under the request retry policy (``ObjectStoreSettings.retry_policy``).
 
         ``check`` (raising ``Cancelled``) is called while waiting between attempts.
         """
-        s = self.settings
-        for attempt in range(1, s.retry_attempts + 1):
+        attempts = 0
+
+        def attempt() -> T:
+            nonlocal attempts
+            attempts += 1
             self.stats.add(attempts=1)
             try:
                 return fn()
-            except Exception as exc:  # classified below; nothing is swallowed
+            except Exception as exc:  # classified here; nothing is swallowed
                 err = classify(exc, url)
-                if not err.transient or attempt == s.retry_attempts:
-                    if err.transient:
-                        err = TransientStorageError(
-                            f"{what} failed after {attempt} attempts: {err.reason}", file=url
-                        )
-                    if err is exc:
-                        raise
-                    raise err from exc
-                delay = min(s.backoff_max_s, s.backoff_initial_s * 2 ** (attempt - 1))
-                delay *= 0.5 + random.random() / 2
-                self.stats.add(retries=1, backoff_s=delay)
-                log.warning("%s of %s failed (attempt %d/%d), retrying in %.2f s: %s",
-                            what, url, attempt, s.retry_attempts, delay, err.reason)
-                _sleep(delay, check)
-        raise AssertionError("unreachable")
+                if err is exc:
+                    raise
+                raise err from exc
+
+        def on_retry(n: int, delay: float, err: BaseException) -> None:
+            self.stats.add(retries=1, backoff_s=delay)
+            log.warning("%s of %s failed (attempt %d/%d), retrying in %.2f s: %s", what, url, n,
+                        self.settings.retry_attempts, delay, getattr(err, "reason", err))
+
+        try:
+            return self.settings.retry_policy().call(
+                what, attempt, retryable=lambda e: isinstance(e, RefitError) and e.transient,
+                wait=lambda delay: _sleep(delay, check), on_retry=on_retry)
+        except RefitError as err:
+            if not err.transient:
+                raise
+            raise TransientStorageError(f"{what} failed after {attempts} attempts: {err.reason}", file=url) from err
 
     # -- reads ---------------------------------------------------------------------
 

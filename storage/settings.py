@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from storage.retry import RetryPolicy
+
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MODEL_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$"
 MIB = 2**20
@@ -89,6 +91,10 @@ class ObjectStoreSettings(BaseSettings):
         "bucket at 491/520/340 MB/s (64 MiB ranges leave half the connections idle): 32 MiB is the best "
         "of both. Tests use smaller ranges"))
 
+    def retry_policy(self) -> RetryPolicy:
+        """The retry policy of one request."""
+        return RetryPolicy(self.retry_attempts, self.backoff_initial_s, 2.0, self.backoff_max_s, jitter=0.5)
+
     @model_validator(mode="after")
     def _backoff_bounds(self) -> "ObjectStoreSettings":
         if self.backoff_max_s < self.backoff_initial_s:
@@ -152,8 +158,22 @@ class RefitParams(BaseSettings):
                     "an interrupt or bad input")
     retry_delay_s: float = Field(
         10.0, ge=0, le=3600, description="wait before the first whole-run retry, doubled for each next one")
+    stage_retries: int = Field(
+        2, ge=0, le=20, description="retries of a read-only stage (resolve catalog, fetch index) after a transient "
+                                    "failure, inside the stage")
+    stage_retry_delay_s: float = Field(
+        1.0, ge=0, le=3600, description="longest wait before the first stage retry (jittered), times 4 for each "
+                                        "next one")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
     installer: InstallerSettings = Field(default_factory=InstallerSettings)
+
+    def stage_retry_policy(self) -> RetryPolicy:
+        """Retries of a read-only stage, inside the stage (its state and timing stay one task run)."""
+        return RetryPolicy(self.stage_retries + 1, self.stage_retry_delay_s, 4.0, jitter=0.5)
+
+    def run_retry_policy(self) -> RetryPolicy:
+        """Retries of the whole run after a transient failure."""
+        return RetryPolicy(self.retries + 1, self.retry_delay_s, 2.0)
 
     @field_validator("catalog")
     @classmethod
@@ -225,7 +245,19 @@ class PublishParams(BaseSettings):
                          description="retries of the upload and record write after a transient failure")
     retry_delay_s: float = Field(10.0, ge=0, le=3600,
                                  description="wait before the first publication retry, doubled for each next one")
+    stage_retries: int = Field(2, ge=0, le=20, description="retries of the upload stage after a transient failure, "
+                                                           "inside the stage")
+    stage_retry_delay_s: float = Field(1.0, ge=0, le=3600, description="wait before the first upload retry, times "
+                                                                       "4 for each next one")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+
+    def stage_retry_policy(self) -> RetryPolicy:
+        """Retries of the upload stage, inside the stage."""
+        return RetryPolicy(self.stage_retries + 1, self.stage_retry_delay_s, 4.0)
+
+    def publication_retry_policy(self) -> RetryPolicy:
+        """Retries of the whole upload and record write after a transient failure."""
+        return RetryPolicy(self.retries + 1, self.retry_delay_s, 2.0)
 
     @field_validator("catalog", "payload_url")
     @classmethod
@@ -235,3 +267,17 @@ class PublishParams(BaseSettings):
     @property
     def bucket_max_bytes(self) -> int:
         return self.bucket_max_mib * MIB
+
+
+class RecoverParams(BaseSettings):
+    """Parameters of a recovery (env prefix ``CANONICAL_REFIT_``, like a refit's)."""
+
+    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
+
+    model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
+    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
+    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
+    installer: InstallerSettings | None = Field(
+        None, description="installer to re-install through (default: the one recorded when the node was poisoned)")
+    override_installer: bool = Field(
+        False, description="re-install through `installer` even though the node was poisoned through another")

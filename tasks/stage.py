@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import threading
-import time
 from typing import Any, Callable, Generic, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from storage.errors import RefitError
+from storage.retry import RetryPolicy
 
 log = logging.getLogger("canonical_refit.stage")
 R = TypeVar("R")
-READ_ONLY_RETRY_DELAYS_S = (1.0, 4.0)
 
 
 def in_flow_run() -> bool:
@@ -34,11 +31,6 @@ def in_flow_run() -> bool:
     from prefect.context import FlowRunContext
 
     return FlowRunContext.get() is not None
-
-
-def retryable(exc: BaseException) -> bool:
-    """A transient error, raised before the checkpoint was touched."""
-    return isinstance(exc, RefitError) and exc.transient and not exc.mutation_started
 
 
 class Running(Generic[R]):
@@ -65,24 +57,18 @@ class Stage(Generic[R]):
         functools.update_wrapper(self, fn)
 
     def _measured(self, rx, *args, **kwargs) -> R:
-        delays = READ_ONLY_RETRY_DELAYS_S if self.read_only else ()
-        for attempt in range(len(delays) + 1):
+        policy = rx.params.stage_retry_policy() if self.read_only else RetryPolicy(1, 0.0)
+
+        def attempt() -> R:
             if self.interruptible:
                 rx.stop.check()
-            try:
-                with rx.stage(self.name) as record:
-                    result = self.fn(rx, *args, **kwargs)
-                    record.bytes = int(getattr(result, "bytes", 0) or 0)
-                    record.detail = str(getattr(result, "summary", "") or "")
-                    return result
-            except BaseException as exc:
-                if attempt == len(delays) or not retryable(exc):
-                    raise
-                delay = delays[attempt] * (0.5 + random.random() / 2)
-                log.warning("stage %s failed (attempt %d of %d), retrying in %.1fs: %s", self.name, attempt + 1,
-                            len(delays) + 1, delay, exc)
-                rx.stop.wait(delay)
-        raise AssertionError("unreachable")
+            with rx.stage(self.name) as record:
+                result = self.fn(rx, *args, **kwargs)
+                record.bytes = int(getattr(result, "bytes", 0) or 0)
+                record.detail = str(getattr(result, "summary", "") or "")
+                return result
+
+        return policy.call(f"stage {self.name}", attempt, wait=rx.stop.wait)
 
     def __call__(self, rx, *args, **kwargs) -> R:
         if in_flow_run():
@@ -124,27 +110,19 @@ def stage(name: str, *, read_only: bool) -> Callable[[Callable[..., R]], Stage[R
     return lambda fn: Stage(name, fn, read_only=read_only)
 
 
-def step(name: str, *, retries: int = 0, retry_delays_s: tuple[float, ...] = (), retry_if=retryable):
+def step(name: str, *, retry: Callable[..., RetryPolicy] | None = None):
     """A plain function that runs as a Prefect task of ``name`` inside a flow run, plainly outside one.
 
-    ``retries`` (with ``retry_delays_s``) re-run it for errors ``retry_if``
-    accepts, the same way in both cases.
+    ``retry(*args, **kwargs)`` gives the policy that re-runs it after a
+    transient error (from the call's own settings), the same way in both cases.
     """
 
     def decorate(fn: Callable[..., R]) -> Callable[..., R]:
         @functools.wraps(fn)
         def retried(*args, **kwargs) -> R:
-            for attempt in range(retries + 1):
-                try:
-                    return fn(*args, **kwargs)
-                except BaseException as exc:
-                    if attempt == retries or not retry_if(exc):
-                        raise
-                    delay = retry_delays_s[min(attempt, len(retry_delays_s) - 1)] if retry_delays_s else 0.0
-                    log.warning("%s failed (attempt %d of %d), retrying in %.1fs: %s", name, attempt + 1,
-                                retries + 1, delay, exc)
-                    time.sleep(delay)
-            raise AssertionError("unreachable")
+            if retry is None:
+                return fn(*args, **kwargs)
+            return retry(*args, **kwargs).call(name, lambda: fn(*args, **kwargs))
 
         as_task = task(name=name, task_run_name=name, cache_policy=NO_CACHE, persist_result=False)(retried)
 

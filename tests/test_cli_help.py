@@ -21,7 +21,7 @@ def _entry_points():
     from deployments.serve import NODE_FLAGS, SERVE_FLAGS, ServeSettings
     from flows.cli import RECOVER_FLAGS, REFIT_FLAGS
     from flows.publish import PUBLISH_FLAGS
-    from flows.recover import RecoverParams
+    from storage.settings import RecoverParams
     from storage.settings import PublishParams, RefitParams
 
     from flows.fleet import STATUS_FLAGS, WAIT_FLAGS, FleetParams
@@ -68,3 +68,21 @@ def test_flags_set_the_fields_they_name_and_nothing_else():
     assert (params.installer.kind, params.installer.engine_urls) == ("sglang", ["http://e:1", "http://e:2"])
     assert params.activate is False and params.storage.concurrency == 3 and params.retries == 0
     assert params.target == "latest" and params.only_if_newer is False  # not given: the defaults
+
+
+def test_every_setting_is_in_the_configuration_reference():
+    """docs/configuration.md names the environment variable of every field of every settings model."""
+    from deployments.serve import ServeSettings
+    from flows.fleet import FleetParams
+    from flows.prefect_api import ApiSettings
+    from storage.settings import InstallerSettings, ObjectStoreSettings, PublishParams, RecoverParams, RefitParams
+
+    doc = (ROOT_DIR / "docs" / "configuration.md").read_text()
+    nested = {"storage", "installer"}
+    missing = [f"{model.__name__}.{name}" for model in (RefitParams, PublishParams, ObjectStoreSettings,
+                                                        InstallerSettings, RecoverParams, ServeSettings,
+                                                        FleetParams, ApiSettings)
+               for name in model.model_fields
+               if not (name in nested and model is not RecoverParams)
+               and f"`{(model.model_config['env_prefix'] + name).upper()}`" not in doc]
+    assert not missing, f"not in docs/configuration.md: {missing}"
