@@ -35,11 +35,22 @@ from lab import Lab, tiny_shape  # noqa: E402
 
 @pytest.fixture(scope="session")
 def prefect_api():
-    """A temporary Prefect API for tests that run flows (started once per session)."""
-    from prefect.testing.utilities import prefect_test_harness
+    """The session's Prefect API for tests that run flows: the local server of the session's PREFECT_HOME.
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    It is the server a command without ``PREFECT_API_URL`` starts and reuses
+    (``flows.local_server``), started once here: CLI commands the tests run
+    with this PREFECT_HOME find it too. Stopped at the end of the session.
+    """
+    from flows import local_server
+    from flows.prefect_api import reporting_to
+
+    record, _ = local_server.ensure_running(idle_s=7200, timeout_s=180)
+    try:
+        # every thread's settings, as a command's: a stage's worker thread must not start a server of its own
+        with local_server.lease(), reporting_to(record.url):
+            yield record.url
+    finally:
+        local_server.stop()
 
 
 @pytest.fixture

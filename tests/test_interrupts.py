@@ -44,13 +44,16 @@ def private_home(tmp_path_factory):
 
 
 def _env(api: str, private_home: Path, **extra: str) -> dict[str, str]:
+    """A command's environment: ``server`` names the session's server in PREFECT_API_URL; ``local`` leaves it
+    out, so the command finds (or starts) the local server of PREFECT_HOME; ``private`` asks for a private one."""
     from prefect.settings import PREFECT_API_URL
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CANONICAL_REFIT_", "PREFECT_API_URL"))}
     if api == "server":
         env["PREFECT_API_URL"] = str(PREFECT_API_URL.value())
-    else:
+    elif api == "private":
         env["PREFECT_HOME"] = str(private_home)
+        env["CANONICAL_REFIT_API_MODE"] = "private"
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
     return env
@@ -94,9 +97,8 @@ def _finish(proc: subprocess.Popen) -> tuple[int, dict, str]:
 @pytest.mark.parametrize("point, start_at, api", [
     ("state.updating", None, "server"),   # seeding the launch snapshot into an empty store
     ("fetch.file", "r1", "server"),       # a bucket of r2 downloaded, the apply waiting for it
-    ("apply.block", "r1", "server"),      # patching r1's taken-over checkpoint into r2
-    ("state.updating", None, "private"),  # the same, with the command's own private Prefect API
-    ("apply.block", "r1", "private"),
+    ("apply.block", "r1", "local"),       # patching r1's taken-over checkpoint into r2; the local server
+    ("apply.block", "r1", "private"),     # the same, with the command's own private Prefect API
 ])
 def test_ctrl_c_stops_the_run_at_a_safe_point_and_the_next_run_recovers(world, private_home, tmp_path, api,
                                                                           point, start_at):
@@ -116,6 +118,8 @@ def test_ctrl_c_stops_the_run_at_a_safe_point_and_the_next_run_recovers(world, p
     assert code == 130, err[-3000:]
     assert result["status"] == "INTERRUPTED" and result["version"] is None
     assert result["installed_version"] == start_at
+    statuses = {s["name"]: s["status"] for s in result["stages"]}
+    assert "interrupted" in statuses.values() and "failed" not in statuses.values(), statuses
     assert "run the refit again" in result["next_step"]
     store = LocalStore(cache, lab.model)
     state = store.state()
@@ -159,3 +163,60 @@ def test_a_run_that_finished_reports_ready_even_if_its_api_died(world, private_h
     code, result, err = _finish(proc)
     assert code == 0 and result["status"] == "READY" and result["version"] == "r1", err[-3000:]
     assert LocalStore(cache, lab.model).active().version == "r1"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # dead, not yet reaped
+    except OSError:
+        return True
+
+
+def test_a_private_server_dies_with_its_command_even_when_it_is_killed(world, private_home, tmp_path):
+    lab = world
+    trace, gate = tmp_path / "trace.log", tmp_path / "gate"
+    env = _env("private", private_home, CANONICAL_REFIT_KILLPOINT_TRACE=str(trace),
+               CANONICAL_REFIT_KILLPOINT_GATE=f"lock.exclusive:{gate}")
+    proc = _start(lab, tmp_path / "cache", "r1", env)
+    _wait_for(lambda: _reached(trace, "lock.exclusive"), "the store lock", proc)
+    servers = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert servers, "the command's private Prefect API server was not found"
+    os.kill(proc.pid, signal.SIGKILL)  # no handler, no atexit: only the kernel can tell the server
+    proc.communicate()
+    deadline = time.monotonic() + BOUND_S
+    while not all(_gone(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in servers), f"the private server outlived its killed command: {servers}"
+
+
+def test_the_local_server_outlives_a_killed_command_serves_the_next_and_stops_once_unused(world, private_home,
+                                                                                         tmp_path):
+    from flows.local_server import read_record, state_dir
+
+    lab = world
+    cache = tmp_path / "cache"
+    trace, gate = tmp_path / "trace.log", tmp_path / "gate"
+    env = _env("local", private_home, PREFECT_HOME=str(private_home), CANONICAL_REFIT_API_IDLE_S="6",
+               CANONICAL_REFIT_KILLPOINT_TRACE=str(trace), CANONICAL_REFIT_KILLPOINT_GATE=f"apply.block:{gate}")
+    status = [sys.executable, "-m", "flows.local_server", "status"]
+    proc = _start(lab, cache, "r1", env)
+    _wait_for(lambda: _reached(trace, "apply.block"), "apply.block", proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate()
+    assert "started a local Prefect server" in err and "python -m flows.local_server stop" in err
+    record = read_record(state_dir(private_home))
+    assert record is not None and record.alive()  # kept for the next command, as the line said
+    shown = subprocess.run(status, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    assert shown.returncode == 0 and record.url in shown.stdout
+
+    gate.touch()
+    code, result, err = _finish(_start(lab, cache, "r1", env))  # reuses it; the store recovers by itself
+    assert code == 0 and result["status"] == "READY", err[-3000:]
+    assert "using the local Prefect server" in err and record.url in err
+    deadline = time.monotonic() + BOUND_S  # unused now (the killed command's lease is ignored): it stops
+    while record.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not record.alive(), "the local server did not stop once unused"
+    shown = subprocess.run(status, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    assert shown.returncode == 1 and "no local Prefect server" in shown.stdout
