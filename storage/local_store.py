@@ -48,6 +48,7 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from storage import launch_files
 from storage.durable import (
     atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, remove_tree,
     temp_name, tree_size,
@@ -61,6 +62,12 @@ from storage.store_records import (  # noqa: F401  (the records are part of the 
 )
 
 log = logging.getLogger("canonical_refit.store")
+
+def _labelled_files(record: dict) -> dict:
+    """A record as ``status`` prints it: each file's identity as ``{"size", "mtime_ns"}`` (on disk, a pair)."""
+    files = record.get("files") or {}
+    return record | {"files": {name: {"size": size, "mtime_ns": mtime} for name, (size, mtime) in files.items()}}
+
 
 class LocalStore:
     """Paths, records and transitions of one model's local store."""
@@ -210,10 +217,11 @@ class LocalStore:
         state, active, poisoned = self.state(), self.active(), self.poisoned()
         return {
             "store": str(self.root),
-            "state": asdict(state) if state else None,
-            "active": asdict(active) if active else None,
+            "state": _labelled_files(asdict(state)) if state else None,
+            "active": _labelled_files(asdict(active)) if active else None,
             "poisoned": asdict(poisoned) if poisoned else None,
             "verified": sorted(self.inventory()),
+            "launch_files": launch_files.describe(self.root),
             "bytes": tree_size(self.root),
             "quota_bytes": self.quota_bytes,
         }
@@ -316,6 +324,7 @@ class LocalStore:
         identity = ActiveIdentity(
             version=record.version, digest=record.target_digest, format_digest=record.format_digest,
             files=record.files, path=record.path, installer=installer, installed_at_unix_ms=now_ms(),
+            launch_files=record.launch_files,
         )
         atomic_write_json(self.active_path, asdict(identity))
         killpoint("activate.written", version)

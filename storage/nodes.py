@@ -40,6 +40,7 @@ class NodeRecord:
     bytes_fetched: int = 0
     attempts: int = 1
     updated_at_unix_ms: int = 0
+    launch_files: str | None = None  # digest of the launch snapshot's non-weight files the installed checkpoint holds
     schema: str = SCHEMA
 
     def to_json(self) -> dict:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from storage import launch_files
 from storage.cancel import StopToken
 from storage.catalog import Revision, parse_revision
 from storage.checkpoint import CheckpointIndex, require_same_layout
@@ -214,11 +215,13 @@ def verify_target(
         raise ChecksumMismatch(f"checkpoint digest {digest} differs from the catalog's target_digest "
                                f"{target.target_digest}", field="target_digest", **context)
     killpoint("verify.before_ready")
+    carried = launch_files.carry_into(store.root, path, revision=target.version)  # config.json, tokenizer, ...
     record = VerifiedCheckpoint(
         version=target.version, path=store.relative(path), sequence=target.sequence, checksum_format=fmt,
         format_digest=layout_digest, target_digest=digest, checksums=checksums,
         files=folder_identity(path), verified_at_unix_ms=now_ms(), boot_id=boot_id(),
         flushed=not mutated,  # patched pages reach the disk in the background (storage/flush.py)
+        launch_files=carried,
     )
     store.commit_ready(record, chain)
     return record

@@ -50,6 +50,7 @@ class VerifiedCheckpoint:
     verified_at_unix_ms: int = 0
     boot_id: str | None = None  # the boot during which it was verified
     flushed: bool = True  # its bytes are known to be on disk (fsynced) — else trusted only in the same boot
+    launch_files: str | None = None  # digest of the launch snapshot's non-weight files carried in (launch_files.py)
 
     @property
     def trusted(self) -> bool:
@@ -68,6 +69,7 @@ class ActiveIdentity:
     path: str
     installer: str
     installed_at_unix_ms: int
+    launch_files: str | None = None  # digest of the launch snapshot's non-weight files in the checkpoint
 
 
 @dataclass(frozen=True)

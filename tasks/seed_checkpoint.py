@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from storage import launch_files
 from storage.catalog import Revision
 from storage.checkpoint import CheckpointIndex
 from storage.durable import boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree
@@ -49,6 +50,7 @@ def seed_checkpoint(rx: Receiver, plan: ReplayPlan) -> Baseline:
     for action in recovery:
         rx.ledger.note(f"recovery: {action}")
     root = plan.root
+    keep_launch_files(rx, root)
     inventory = rx.store.inventory()
     if root.version in inventory:
         return Baseline(inventory[root.version], recovery=recovery)
@@ -120,15 +122,26 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
             revision=initial.version, file=str(seed_path), field="target_digest",
         )
     rx.artifacts.record_seed(initial.version, seed_path)
+    kept = launch_files.capture(rx.store.root, folder, initial.version)
     record = VerifiedCheckpoint(
         version=initial.version, path=rx.store.relative(folder), sequence=initial.sequence,
         checksum_format=initial.checksum_format, format_digest=initial.format_digest,
         target_digest=digest, checksums=checksums, files=folder_identity(folder), verified_at_unix_ms=now_ms(),
         boot_id=boot_id(), flushed=True,  # copy_tree_files fsynced every file
+        launch_files=kept.digest,
     )
     rx.store.commit_ready(record, Chain(initial.version, initial.version, ()))
     rx.ledger.note(f"seeded {initial.version} from {seed_path}: {copied:,} bytes, digest verified")
     return record, copied
+
+
+def keep_launch_files(rx: Receiver, root: Revision) -> None:
+    """A store that keeps no launch files yet (seeded by an older release, or started from a full revision)
+    takes them from the configured launch snapshot, so every checkpoint prepared from now on carries them."""
+    seed = rx.params.seed_checkpoint
+    if launch_files.kept(rx.store.root) is None and seed and Path(seed).expanduser().is_dir():
+        kept = launch_files.capture(rx.store.root, Path(seed).expanduser().resolve(), root.version)
+        rx.ledger.note(f"kept the launch snapshot's non-weight files ({', '.join(sorted(kept.files)) or 'none'})")
 
 
 SEED_CHECKPOINT = Stage("seed checkpoint", seed_checkpoint, read_only=False)

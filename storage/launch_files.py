@@ -1,0 +1,128 @@
+"""The launch snapshot's other files: ``config.json``, the tokenizer, the generation config.
+
+An engine restarted on a prepared checkpoint needs more than the weights:
+its ``config.json``, tokenizer files and generation config. A revision
+carries only tensors, so the store keeps a copy of the launch snapshot's
+non-weight files (``launch-files/``, with ``launch-files.json`` naming each
+file's size and SHA-256) and carries them into every prepared checkpoint
+before it is recorded as verified. Their identity, ``launch_files`` (the
+digest below), is part of the verified record, the installed identity and
+the node's status record.
+
+``launch_files`` digest: ``"sha256:" + sha256(canonical JSON of {name:
+sha256 hex of the file's bytes})`` over every carried file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.digests import canonical_json
+from storage.durable import atomic_write_json, copy_file, fsync_dir, read_json_file, remove_tree
+from storage.errors import StoreError
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+FOLDER, RECORD = "launch-files", "launch-files.json"
+
+
+def is_weight_file(name: str) -> bool:
+    """Weights and their indexes (``*.safetensors``, ``*.bin``, ``model.safetensors.index.json``, ...)."""
+    return name.endswith(WEIGHT_SUFFIXES)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class LaunchFiles:
+    """The launch snapshot's non-weight files the store keeps: ``{name: [size, sha256]}`` and their digest."""
+
+    version: str
+    files: dict
+
+    @property
+    def digest(self) -> str:
+        return files_digest({name: sha for name, (_size, sha) in self.files.items()})
+
+
+def files_digest(hashes: dict[str, str]) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(dict(sorted(hashes.items())))).hexdigest()
+
+
+def non_weight_files(folder: Path) -> list[Path]:
+    """Regular files directly in ``folder`` (links followed) that are not weights, by name."""
+    return sorted(Path(e.path) for e in os.scandir(folder)
+                  if e.is_file(follow_symlinks=True) and not e.name.startswith(".") and not is_weight_file(e.name))
+
+
+def kept(root: Path) -> LaunchFiles | None:
+    """The launch files the store at ``root`` keeps, or None (a store seeded before they were kept)."""
+    try:
+        raw = read_json_file(root / RECORD)
+    except ValueError:
+        raw = None  # a torn record: captured again at the next seed
+    if not isinstance(raw, dict) or not isinstance(raw.get("files"), dict):
+        return None
+    if not all((root / FOLDER / name).is_file() for name in raw["files"]):
+        return None
+    return LaunchFiles(str(raw.get("version")), {k: tuple(v) for k, v in raw["files"].items()})
+
+
+def capture(root: Path, snapshot: Path, version: str) -> LaunchFiles:
+    """Keep a copy of ``snapshot``'s non-weight files in the store at ``root`` (replacing an older copy)."""
+    staging = root / f".{FOLDER}.{os.getpid()}"
+    remove_tree(staging)
+    staging.mkdir(parents=True)
+    files = {}
+    try:
+        for path in non_weight_files(snapshot):
+            copy_file(path, staging / path.name)
+            files[path.name] = (os.path.getsize(staging / path.name), _sha256(staging / path.name))
+        fsync_dir(staging)
+        remove_tree(root / FOLDER)
+        os.rename(staging, root / FOLDER)
+        fsync_dir(root)
+        atomic_write_json(root / RECORD, {"version": version, "files": {k: list(v) for k, v in files.items()}})
+    except OSError as exc:
+        remove_tree(staging)
+        raise StoreError(f"could not keep the launch snapshot's non-weight files ({exc})", revision=version,
+                         local_file=str(snapshot)) from exc
+    return LaunchFiles(version, files)
+
+
+def carry_into(root: Path, folder: Path, *, revision: str) -> str | None:
+    """Put the kept launch files into the checkpoint ``folder`` (each copied only if missing or different);
+    their digest, or None when the store keeps none."""
+    launch = kept(root)
+    if launch is None:
+        return None
+    try:
+        for name, (size, sha) in sorted(launch.files.items()):
+            target = folder / name
+            if target.is_file() and not target.is_symlink() and os.path.getsize(target) == size \
+                    and _sha256(target) == sha:
+                continue
+            temp = folder / f".{name}.{os.getpid()}.tmp"
+            copy_file(root / FOLDER / name, temp)
+            os.replace(temp, target)
+        fsync_dir(folder)
+    except OSError as exc:
+        raise StoreError(f"could not carry the launch snapshot's non-weight files into the checkpoint ({exc})",
+                         revision=revision, local_file=str(folder)) from exc
+    return launch.digest
+
+
+def describe(root: Path) -> dict | None:
+    """What ``status`` prints of the kept launch files."""
+    launch = kept(root)
+    return None if launch is None else {"version": launch.version, "digest": launch.digest,
+                                        "files": sorted(launch.files)}
+
