@@ -123,7 +123,7 @@ def print_result(result: RefitResult) -> None:
         print(f"target digest: {result.target_digest}")
         print(f"format digest: {result.format_digest}")
     else:
-        print(f"installed version (unchanged): {result.installed_version}")
+        print(f"installed version (unchanged): {result.installed_version or 'none (nothing was installed yet)'}")
     if result.checkpoint_path:
         print(f"checkpoint: {result.checkpoint_path}")
     if result.lineage:
@@ -156,7 +156,7 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
         lines += [f"- installed: `{active.version}` `{active.digest}` via `{active.installer}`"]
     if result.error_detail:
         d = result.error_detail
-        failed_stage = next((s["name"] for s in result.stages if s["status"] == "failed"), "?")
+        failed_stage = next((s["name"] for s in result.stages if s["status"] in ("failed", "interrupted")), "?")
         lines += ["", "## Failure", "",
                   f"- stage: **{failed_stage}**", f"- error: `{d.get('type')}`: {d.get('message')}",
                   f"- revision: `{d.get('revision')}`", f"- file: `{d.get('file')}`",

@@ -13,7 +13,7 @@ from storage.artifacts import ArtifactCache
 from storage.cancel import PROCESS, StopToken
 from storage.catalog import Catalog
 from storage.durable import remove_tree
-from storage.errors import RefitError
+from storage.errors import Cancelled, Interrupted, RefitError
 from storage.killpoints import killpoint
 from storage.local_store import LocalStore
 from storage.objects import ObjectStore, TransferStats
@@ -101,6 +101,16 @@ class Progress:
             self._report(self.label, self.done, self.total)
 
 
+def stage_status(error: BaseException, interrupted: bool) -> str:
+    """How a stage that raised ``error`` ended: ``interrupted`` (Ctrl-C, SIGTERM, a cancellation), ``cancelled``
+    (stopped because another stage failed) or ``failed``."""
+    if interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
+        return "interrupted"
+    if isinstance(error, Cancelled):
+        return "cancelled"
+    return "failed"
+
+
 class Receiver:
     """The stores, settings and stop token one refit run works with (no Prefect here)."""
 
@@ -140,13 +150,9 @@ class Receiver:
         try:
             yield record
             record.status = "ok"
-        except RefitError as exc:
-            record.status = "failed"
-            record.detail = str(exc)
-            raise
         except BaseException as exc:
-            record.status = "failed"
-            record.detail = f"{type(exc).__name__}: {exc}"
+            record.status = stage_status(exc, self.stop.interrupted)
+            record.detail = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
             raise
         finally:
             record.seconds += time.perf_counter() - start

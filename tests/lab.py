@@ -78,7 +78,11 @@ class Lab:
         self.trainer = self.root / "trainer"
         self.current = random_model(self.shape, seed=1234)
 
-    # -- publishing (plain flow function calls go through Prefect; see publish_plain) ----------
+    # -- publishing ----------------------------------------------------------------------------
+    #
+    # A test's world is built with the product's plain runbooks (``run_publish``, ``run_refit``: what the flows
+    # run); ``flow=True`` runs the Prefect flow itself, for the tests about the flow. A plain refit's state is
+    # the one the flow would end in (``flows.refit.final_state`` of the same result).
 
     def params(self, checkpoint: Path, kind: str, **kw) -> PublishParams:
         return PublishParams(catalog=self.catalog, model=self.model, checkpoint=checkpoint, kind=kind,
@@ -89,9 +93,9 @@ class Lab:
         write_checkpoint(folder, tensors, shards=self.shape.shards)
         return folder
 
-    def publish(self, kind: str, tensors=None, *, version: str | None = None, **kw):
-        """Publish ``tensors`` (default: the next training step) through the Prefect flow."""
-        from flows.publish import publish
+    def publish(self, kind: str, tensors=None, *, version: str | None = None, flow: bool = False, **kw):
+        """Publish ``tensors`` (default: the next training step): the publication runbook, or the flow."""
+        from flows.publish import publish, run_publish
 
         if tensors is None:
             tensors = self.current if kind == "initial" else self.next_step()
@@ -99,7 +103,8 @@ class Lab:
         folder = self.write(tensors, f"step-{self.step}")
         if kind == "initial":
             write_checkpoint(self.launch, tensors, shards=self.shape.shards)
-        result = publish(self.params(folder, kind, version=version, **kw))
+        params = self.params(folder, kind, version=version, **kw)
+        result = publish(params) if flow else run_publish(params)
         self.revisions[result.version] = tensors
         self.current = tensors
         return result
@@ -119,11 +124,14 @@ class Lab:
         base.update(kw)
         return RefitParams(**base)
 
-    def refit(self, **kw):
-        """Run the refit flow; returns (final state, RefitResult)."""
-        from flows.refit import refit
+    def refit(self, *, flow: bool = False, **kw):
+        """Refit (the runbook, or with ``flow`` the Prefect flow); returns (final state, RefitResult)."""
+        from flows.refit import final_state, refit, run_refit
         from flows.report import result_of
 
+        if not flow:
+            result = run_refit(self.refit_params(**kw))
+            return final_state(result), result
         state = refit(self.refit_params(**kw), return_state=True)
         return state, result_of(state)
 

@@ -236,3 +236,19 @@ def test_the_declared_s3fs_floor_has_create_only_puts():
     assert tuple(map(int, floors["s3fs"].split("."))) >= (2024, 12, 0)
     assert tuple(map(int, floors["fsspec"].split("."))) >= (2024, 12, 0)
     assert "mode" in inspect.signature(s3fs.S3FileSystem._pipe_file).parameters  # what we rely on
+
+
+def test_nothing_is_printed_as_none(flow_lab, capsys):
+    """A node with nothing installed, and a launch revision with no payload: words, not ``None``."""
+    from flows.publish import main as publish_main
+
+    lab = flow_lab
+    folder = lab.write(lab.current, "launch-print")
+    capsys.readouterr()
+    code = publish_main(["--catalog", lab.catalog, "--model", lab.model, "--checkpoint", str(folder), "--kind",
+                         "initial", "--state-dir", str(lab.root / "publisher"), "--no-event"])
+    out = capsys.readouterr().out
+    assert code == 0 and "version: r0" in out and "None" not in out and "uri:" not in out
+    code, out = run_cli(capsys, *refit_args(lab, "--target", "r9"))
+    assert code == 1 and "installed version (unchanged): none (nothing was installed yet)" in out
+    assert "None" not in out

@@ -73,3 +73,15 @@ def test_publish_and_refit_from_inside_a_flow_run(prefect_api, tmp_path):
     weights["a.weight"] += 1
     assert rl_step("delta") == ("r1", "r1")
     assert api.status(model="me/flow", cache_dir=tmp_path / "cache")["active"]["version"] == "r1"
+
+
+def test_the_documented_install_provides_the_torch_the_example_imports():
+    """The RL loop imports torch; the install line the page gives must name an extra of ours that pins it."""
+    import tomllib
+
+    install = re.search(r"<!-- python-api-install -->\s*```bash\n(.*?)```", DOC.read_text(), re.S)
+    assert install, "docs/python-api.md gives no install line for the example's dependencies"
+    extra = re.search(r"pip install -e '\.\[(\w+)\]'", install.group(1)).group(1)
+    extras = tomllib.loads((ROOT_DIR / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("torch==") for dep in extras[extra]), extras.get(extra)
+    assert "import torch" in block("rl-loop")

@@ -11,6 +11,7 @@ Every document link in the README and docs/ points to a file of the repository.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -36,12 +37,16 @@ def setup_commands(script: str) -> list[str]:
             for part in line.split("&&") if SETUP.match(part.strip())]
 
 
-def run_block(name: str, tmp_path: Path, timeout: int) -> subprocess.CompletedProcess:
+def user_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A user's shell: this environment's Python first on PATH, a scratch HOME and PREFECT_HOME."""
+    return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path),
+            "PREFECT_HOME": str(tmp_path / "prefect"), "LANG": "C.UTF-8", "DO_NOT_TRACK": "1", **extra}
+
+
+def run_block(name: str, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
     script = block(name)
     lines = [line for line in script.splitlines() if "pytest" not in line]  # the suite itself is CI's to run
     body = "\n".join(" && ".join(p for p in line.split("&&") if not SETUP.match(p.strip())) for line in lines)
-    env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path),
-           "PREFECT_HOME": str(tmp_path / "prefect"), "LANG": "C.UTF-8", "DO_NOT_TRACK": "1"}
     return subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=ROOT_DIR, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -56,18 +61,30 @@ def test_the_install_lines_are_the_ones_ci_runs():
 
 
 def test_the_quick_start_runs_as_written(tmp_path):
-    done = run_block("quick-start", tmp_path, timeout=900)
+    """On a fresh machine, as a user runs it: the command starts the local Prefect server, says so, and leaves
+    it for the next command; the documented command stops it."""
+    env = user_env(tmp_path)
+    done = run_block("quick-start", env, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "status: READY" in done.stdout
     # a first run on a fresh machine is quiet: no telemetry errors, no traceback, no locked database
     assert "telemetry" not in output.lower() and "Traceback" not in output and "database is locked" not in output
+    assert "started a local Prefect server" in done.stderr and "python -m flows.local_server stop" in done.stderr
+    stop = subprocess.run([sys.executable, "-m", "flows.local_server", "stop"], cwd=ROOT_DIR, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0 and "stopped the local Prefect server" in stop.stdout, stop.stdout + stop.stderr
 
 
-def test_your_own_model_in_five_minutes_runs_as_written(tmp_path):
-    done = run_block("own-model", tmp_path, timeout=900)
+def test_your_own_model_in_five_minutes_runs_as_written(prefect_api, tmp_path):
+    """In a scratch folder of its own (``MY_MODEL``), with the session's PREFECT_HOME: its commands use the
+    session's local server, as a user's commands use the one the first of them started."""
+    env = user_env(tmp_path, PREFECT_HOME=os.environ["PREFECT_HOME"], MY_MODEL=str(tmp_path / "my-model"))
+    done = run_block("own-model", env, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert '"status": "READY"' in done.stdout or "status: READY" in done.stdout
+    assert "using the local Prefect server" in done.stderr
+    assert (tmp_path / "my-model" / "catalog" / "r1.json").is_file()
 
 
 @pytest.mark.parametrize("doc", [README, *sorted((ROOT_DIR / "docs").glob("*.md"))], ids=lambda p: p.name)
@@ -78,3 +95,14 @@ def test_every_link_points_inside_the_repository(doc):
         assert (doc.parent / target).exists(), f"{doc.name} links to a missing file: {target}"
     assert "SPEC" not in text and "../shared" not in text
     assert not re.search(r"\bissue \d+\b", text), f"{doc.name} speaks of issue numbers"
+
+
+def test_the_docs_say_what_a_new_user_must_know_one_way():
+    """Prefect's database setting under one name; the bucket to create first; what a receiver writes."""
+    texts = {p.name: p.read_text() for p in [README, *sorted((ROOT_DIR / "docs").glob("*.md"))]}
+    assert not [name for name, text in texts.items() if "PREFECT_API_DATABASE_CONNECTION_URL" in text]
+    storage = texts["object-storage.md"]
+    assert "aws s3 mb s3://my-bucket" in storage and "neither side creates it" in storage
+    receiver = storage[storage.index("Receiver:"):storage.index("```json", storage.index("Receiver:"))]
+    assert "s3:PutObject" in receiver and "nodes/" in receiver and "No write permission" not in receiver
+    assert "catalog/.canonical-refit-probe/" in storage

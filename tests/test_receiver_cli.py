@@ -71,6 +71,10 @@ def test_json_result_and_exit_codes(flow_lab, cli_env):
     info = json.loads(status.stdout)
     assert info["active"]["version"] == "r1" and info["poisoned"]["version"] == "r1"
     assert info["state"]["status"] == "READY" and info["state"]["version"] == "r2"
+    files = info["state"]["files"]  # labelled: {"size", "mtime_ns"} per file
+    checkpoint = store.root / info["state"]["source"]
+    assert files and all(files[name] == {"size": (checkpoint / name).stat().st_size,
+                                         "mtime_ns": (checkpoint / name).stat().st_mtime_ns} for name in files)
 
     recover = subprocess.run([sys.executable, "-m", "flows.refit", "recover", "--cache-dir", str(lab.cache),
                               "--model", lab.model, "--catalog", lab.catalog, "--json"], capture_output=True,

@@ -193,3 +193,17 @@ def test_publisher_refuses_a_server_that_ignores_conditional_writes(prefect_api,
         assert result.version == "r0"
     assert Catalog(store, lab.catalog, lab.model).versions() == ["r0"]
     assert read_checkpoint(lab.launch).keys() == lab.expected("r0").keys()
+
+
+def test_the_write_probe_is_always_under_the_catalog_prefix_and_deleted(prefect_api, s3, tmp_path):
+    """The least-privilege policy lets a publisher delete only under ``catalog/.canonical-refit-probe/``."""
+    lab = s3_lab(tmp_path, s3, "probe")
+    with s3.proxy() as proxy:
+        lab.publish("initial", storage=s3.settings(proxy.url))
+        lab.publish("delta", storage=s3.settings(proxy.url))
+        probes = [r for r in proxy.requests(".canonical-refit-probe") if r.method in ("PUT", "DELETE")]
+    catalog_path = lab.catalog.removeprefix("s3://")
+    assert probes and all(f"{catalog_path}/.canonical-refit-probe/" in r.path for r in probes), \
+        [r.path for r in probes]
+    assert {r.method for r in probes} == {"PUT", "DELETE"}
+    assert ObjectStore(s3.settings()).list_names(join_url(lab.catalog, ".canonical-refit-probe")) == []
