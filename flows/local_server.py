@@ -66,9 +66,12 @@ def process_start(pid: int) -> int | None:
     With the pid it names one process: a later process reusing the pid has another start time.
     """
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):  # a zombie has exited: only its parent has not reaped it
+        return None
+    return int(fields[19])
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,10 @@ def stop(home: Path | None = None, *, timeout_s: float = 30.0) -> ServerRecord |
         time.sleep(0.05)
     if record.alive():
         os.kill(record.pid, signal.SIGKILL)
+    try:
+        os.waitpid(record.pid, os.WNOHANG)  # reap it if this process started it
+    except ChildProcessError:
+        pass
     (folder / RECORD).unlink(missing_ok=True)
     return record
 

@@ -33,6 +33,12 @@ import pytest  # noqa: E402
 from lab import Lab, tiny_shape  # noqa: E402
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: two workers per test run, more on a bigger machine (at most four: each has its own
+    Prefect server, S3 server and stores, and most tests wait on processes rather than compute)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     """The session's Prefect API for tests that run flows: the local server of the session's PREFECT_HOME.
