@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from storage.catalog import Catalog
-from storage.checkpoint import CheckpointIndex
-from storage.digests import new_checksum
+from storage.catalog.records import Catalog
+from storage.format.checkpoint import CheckpointIndex
+from storage.format.digests import new_checksum
 from storage.errors import ChecksumMismatch, CodecError
-from storage.manifests import MAX_INDEX_BYTES, Manifest, parse_delta_manifest
-from storage.objects import ObjectStore
-from storage.safetensors import read_header
+from storage.catalog.manifests import MAX_INDEX_BYTES, Manifest, parse_delta_manifest
+from storage.objects.store import ObjectStore
+from storage.format.safetensors import read_header
 from storage.settings import ObjectStoreSettings
 
 
@@ -70,7 +70,7 @@ def _apply_record(encoding: str, record: np.ndarray, dest: np.ndarray, version: 
 
 
 def _gap_values(body: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    from storage.gaps import _decode
+    from storage.format.gaps import _decode
 
     return _decode(body, ends, {}) if ends.size else np.empty(0, dtype=np.uint64)
 

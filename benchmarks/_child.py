@@ -10,7 +10,7 @@ Modes:
 Both refit modes run the code as it is: the benchmark only swaps in a
 ``Receiver`` subclass whose ``stage()`` also records each stage's start and
 end and the process counters around it. After each refit it waits for the
-background write-back of the new checkpoint (``storage.flush``), timed on its
+background write-back of the new checkpoint (``storage.store.flush``), timed on its
 own: ``ready_s`` is when the target became READY (the end of "verify
 digest"), ``flushed_s`` when its pages were on disk. Stages may overlap (fetch and
 apply), so a run's stage work is the union of the stage spans, and a flow's
@@ -71,8 +71,8 @@ def install_metered_receiver():
 
 
 def _expected_digest(params, version: str) -> str:
-    from storage.catalog import Catalog
-    from storage.objects import ObjectStore
+    from storage.catalog.records import Catalog
+    from storage.objects.store import ObjectStore
 
     return Catalog(ObjectStore(params.storage), params.catalog, params.model).read(version).target_digest
 
@@ -107,7 +107,7 @@ def _refit_run(mode: str, params, target: str, metered, sampler) -> dict:
     from flows.refit import refit, run_refit
     from flows.report import result_of
 
-    from storage.flush import wait_for_flushes
+    from storage.store.flush import wait_for_flushes
 
     metered.origin = time.perf_counter()
     before = counters()

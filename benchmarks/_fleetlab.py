@@ -582,7 +582,7 @@ class NodeProcess:
             self.proc.wait(timeout=30)
 
     def store(self):
-        from storage.local_store import LocalStore
+        from storage.store.local_store import LocalStore
 
         return LocalStore(self.cache, self.model, create=False)
 

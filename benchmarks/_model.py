@@ -24,8 +24,8 @@ import numpy as np
 
 from flows.publish import run_publish
 from flows.synthetic import ModelShape, RLTrainer, changed_share, random_model, write_checkpoint
-from storage.catalog import Catalog, Revision
-from storage.objects import ObjectStore
+from storage.catalog.records import Catalog, Revision
+from storage.objects.store import ObjectStore
 from storage.settings import PublishParams
 from storage.urls import normalize_url
 

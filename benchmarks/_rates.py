@@ -21,14 +21,14 @@ import zstandard
 
 from benchmarks._meter import measured
 from benchmarks._scratch import copy_checkpoint
-from storage.changes import PAGE
-from storage.checkpoint import CheckpointIndex
-from storage.digests import CHECKSUM_FORMATS, new_checksum
-from storage.manifests import DELTA_INDEX_FILE, parse_delta_manifest
-from storage.mapped import MADV_POPULATE_WRITE, MappedFiles
-from storage.patcher import BLOCK_SIZE, apply_patches, plan_patches
-from storage.publisher import snapshot_of, stage_delta
-from storage.safetensors import read_header
+from storage.format.changes import PAGE
+from storage.format.checkpoint import CheckpointIndex
+from storage.format.digests import CHECKSUM_FORMATS, new_checksum
+from storage.catalog.manifests import DELTA_INDEX_FILE, parse_delta_manifest
+from storage.format.mapped import MADV_POPULATE_WRITE, MappedFiles
+from storage.patch.patcher import BLOCK_SIZE, apply_patches, plan_patches
+from storage.catalog.publisher import snapshot_of, stage_delta
+from storage.format.safetensors import read_header
 
 HASH_BLOCK = 8 * 2**20
 
@@ -160,14 +160,14 @@ def kernel_rates(checkpoint: Path, other: Path, max_bytes: int, repeat: int) -> 
         out[f"{fmt}_gb_s"] = round(total / _best(run, repeat) / 1e9, 3)
     out["definition"] = ("one thread, on the checkpoint's largest tensors held in anonymous memory (no page faults); "
                          "bytes of tensor data per second, best of repeats; checksums through "
-                         "storage.digests.new_checksum (what the receiver uses), zlib_adler32 is the standard "
+                         "storage.format.digests.new_checksum (what the receiver uses), zlib_adler32 is the standard "
                          "library's for reference")
     return out
 
 
 def apply_once(base_checkpoint: Path, work: Path, manifests: list, folders: dict[str, Path], *,
                workers: int, checksum_format: str) -> dict:
-    """Copy ``base_checkpoint`` to ``work`` and patch it with ``storage.patcher`` using ``workers`` threads."""
+    """Copy ``base_checkpoint`` to ``work`` and patch it with ``storage.patch.patcher`` using ``workers`` threads."""
     copy_checkpoint(base_checkpoint, work)
     try:
         index = CheckpointIndex.open(work)
@@ -275,7 +275,7 @@ def publish_rates(base: Path, target: Path, settings: dict[str, str], out: Path,
 
 def sweep_manifest(folder: Path, checksum_format: str = "adler32"):
     """A staged sweep payload as a validated delta manifest (its record is made up: it is not in a catalog)."""
-    from storage.catalog import Revision
+    from storage.catalog.records import Revision
 
     digest = "sha256:" + "0" * 64
     record = Revision.model_validate({

@@ -74,7 +74,7 @@ def sweep_table(r: dict) -> list[str]:
 def _sweep(r: dict) -> list[str]:
     if not r.get("apply_threads"):
         return []
-    lines = ["", f"apply throughput of the dense step (storage.patcher, checkpoint in {r['config']['memdir_kind']}):",
+    lines = ["", f"apply throughput of the dense step (storage.patch.patcher, checkpoint in {r['config']['memdir_kind']}):",
              f"  {'threads':>7}{'GB/s':>8}{'ideal':>8}{'ratio':>7}"]
     for row in r["apply_threads"]:
         lines.append(f"  {row['threads']:>7}{row['gb_s']:>8.3f}{row['ideal_gb_s'] or 0:>8.3f}{row['ratio'] or 0:>7.2f}")

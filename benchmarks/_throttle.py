@@ -19,7 +19,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.digests import canonical_json
+from storage.canonical import canonical_json
 
 PROTOCOL = "throttled"
 CHUNK = 1 * 2**20

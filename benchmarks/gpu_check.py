@@ -47,12 +47,12 @@ def main() -> int:
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
     args = parser.parse_args()
 
-    from storage.checkpoint import CheckpointIndex
-    from storage.digests import snapshot_digest
+    from storage.format.checkpoint import CheckpointIndex
+    from storage.format.digests import snapshot_digest
     from storage.durable import copy_tree_files
-    from storage.manifests import Manifest
-    from storage.patcher import apply_patches, plan_patches
-    from storage.publisher import snapshot_of, stage_delta
+    from storage.catalog.manifests import Manifest
+    from storage.patch.patcher import apply_patches, plan_patches
+    from storage.catalog.publisher import snapshot_of, stage_delta
 
     cores = os.cpu_count() or 1
     root = Path(args.workdir or tempfile.mkdtemp(prefix="gpu-check-"))
@@ -119,7 +119,7 @@ def main() -> int:
         out["decode_only"].append({"threads": n, "GBps": round(got / seconds / 1e9, 3)})
         print(json.dumps(out["decode_only"][-1]), flush=True)
     out["adler32_threads"] = []  # does the checksum scale across threads (GIL released)?
-    from storage.digests import new_checksum
+    from storage.format.digests import new_checksum
 
     blob = np.frombuffer(frames[0] * 8, dtype=np.uint8)
 

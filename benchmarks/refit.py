@@ -49,7 +49,7 @@ from benchmarks._prefect import PrefectServer
 from benchmarks._rates import (apply_in_place, apply_sweep, decode_rates, decode_threads, kernel_rates,
                                publish_rates, sweep_manifest, xor_reference)
 from benchmarks._scratch import DiskMeter, clone_store
-from storage.checkpoint import CheckpointIndex
+from storage.format.checkpoint import CheckpointIndex
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

@@ -346,7 +346,7 @@ def inside(args) -> int:
     def store():
         from flows.publish import run_publish
         from flows.refit import run_refit
-        from storage.local_store import LocalStore
+        from storage.store.local_store import LocalStore
         from storage.settings import InstallerSettings, PublishParams, RefitParams
 
         catalog = work / "catalog"
@@ -477,7 +477,7 @@ def inside(args) -> int:
     def install(model, params: dict, want: dict, before: dict) -> str:
         from sglang.srt.utils.common import dynamic_import
         from tasks.installers.sglang_loader import LOADER_PATH, LoadRequest, OK, read_reports, write_request
-        from storage.local_store import now_ms
+        from storage.store.local_store import now_ms
         import uuid
 
         st = steps.values["store"]

@@ -350,7 +350,7 @@ class Bench:
 
     def store(self, endpoint: str, **overrides):
         """A fresh store (default settings unless overridden) whose S3 client is already built."""
-        from storage.objects import ObjectStore
+        from storage.objects.store import ObjectStore
         from storage.settings import ObjectStoreSettings
 
         store = ObjectStore(ObjectStoreSettings(endpoint_url=endpoint, region="us-east-1",

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from flows.fleet import FleetView, WaitOutcome, fleet_status, wait_for
 from flows.report import READY, SKIPPED, RefitResult
-from storage.catalog import Revision
+from storage.catalog.records import Revision
 from storage.errors import RefitError
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, ObjectStoreSettings, PublishParams, RefitParams
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
     tensors, bf16 included) or an iterator of ``(name, tensor)`` pairs. From
     memory, no checkpoint is written to disk; the objects and the record are
     the bytes a folder holding the same tensors in one ``model.safetensors``
-    would give (``storage.tensor_source``). Tensors are read, never copied,
+    would give (``storage.format.tensor_source``). Tensors are read, never copied,
     so leave them alone until this returns.
 
     ``kind`` is ``initial`` (revision 0, an empty catalog only), ``full`` or
@@ -67,7 +67,7 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
     other ``PublishParams`` field may be passed by name.
     """
     from flows.publish import run_publish
-    from storage.tensor_source import memory_checkpoint
+    from storage.format.tensor_source import memory_checkpoint
 
     in_memory = not isinstance(checkpoint, (str, os.PathLike))
     values: dict = dict(catalog=catalog, model=model, kind=kind, version=version, **settings,
@@ -86,9 +86,9 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
 
 def _next_version(params: PublishParams) -> str | None:
     """The version a publication without one would get (to name it in an error), if the catalog says."""
-    from storage.catalog import Catalog
-    from storage.objects import ObjectStore
-    from storage.publisher import next_sequence
+    from storage.catalog.records import Catalog
+    from storage.objects.store import ObjectStore
+    from storage.catalog.publisher import next_sequence
 
     try:
         return f"r{next_sequence(Catalog(ObjectStore.shared(params.storage), params.catalog, params.model))[0]}"

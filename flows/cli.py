@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print_result(result)
         sys.stdout.flush()
     if not abandoned():
-        from storage.flush import wait_for_flushes
+        from storage.store.flush import wait_for_flushes
 
         wait_for_flushes()  # reported already; a one-off command still leaves its checkpoint on disk
     return result.exit_code
@@ -180,7 +180,7 @@ def abandoned() -> bool:
 
 def _status(args) -> int:
     from storage.settings import RecoverParams
-    from storage.local_store import LocalStore
+    from storage.store.local_store import LocalStore
 
     params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
     store = LocalStore(params.cache_dir, params.model, create=False)
@@ -211,7 +211,7 @@ def _recover(args) -> int:
 def _activate(args) -> int:
     from storage.settings import RecoverParams
     from storage.errors import RefitError
-    from storage.local_store import LocalStore
+    from storage.store.local_store import LocalStore
 
     params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
     store = LocalStore(params.cache_dir, params.model, create=False)

@@ -64,7 +64,7 @@ def run_demo() -> int:
             tensors = train_step(tensors, seed=n)
             publish_step(n, kind, tensors)
     else:
-        from storage.checkpoint import CheckpointIndex
+        from storage.format.checkpoint import CheckpointIndex
 
         index = CheckpointIndex.open(trainer / f"step-{step}")
         tensors = _load(index)

@@ -4,7 +4,7 @@
     python -m flows.fleet wait --catalog ... --model org/name --version r42 --all-seen-within 600 --timeout 300
 
 Every node writes its own status record beside the catalog after each refit
-(``storage/nodes.py``); this reads them. ``wait`` returns as soon as enough
+(``storage/catalog/nodes.py``); this reads them. ``wait`` returns as soon as enough
 nodes run the version or a newer one (exit 0), at the timeout naming the
 laggards (exit 1), or as soon as a node is poisoned (exit 3) — the question an
 RL loop asks after each publication. The same as Python functions:
@@ -25,10 +25,10 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from flows.options import Flag, add_flags, build, given
-from storage.catalog import Catalog
+from storage.catalog.records import Catalog
 from storage.errors import ObjectNotFound, RefitError
-from storage.nodes import NodeRecord, read_node_records
-from storage.objects import ObjectStore
+from storage.catalog.nodes import NodeRecord, read_node_records
+from storage.objects.store import ObjectStore
 from storage.settings import MODEL_PATTERN, ObjectStoreSettings
 
 READY_STATUSES = ("READY", "SKIPPED")

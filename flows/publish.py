@@ -31,16 +31,16 @@ from pathlib import Path  # noqa: E402
 
 from prefect import flow  # noqa: E402
 
-from storage.catalog import Catalog, Revision  # noqa: E402
-from storage.checkpoint import CheckpointIndex, require_same_layout  # noqa: E402
+from storage.catalog.records import Catalog, Revision  # noqa: E402
+from storage.format.checkpoint import CheckpointIndex, require_same_layout  # noqa: E402
 from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
-from storage.objects import ObjectStore  # noqa: E402
+from storage.objects.store import ObjectStore  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
-from storage.publisher import (  # noqa: E402
+from storage.catalog.publisher import (  # noqa: E402
     KEEP_BASES, Payload, PublisherCopy, Snapshot, existing_record, make_record, next_sequence, same_publication,
     snapshot_of, source_label, stage_delta, stage_full, upload_payload,
 )
-from storage.tensor_source import MemoryCheckpoint  # noqa: E402
+from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402

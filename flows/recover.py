@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from prefect import flow
 
 from storage.errors import InstallError, StoreError
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, RecoverParams
 from tasks.install import install_checkpoint
 from tasks.installers import make_installer

@@ -34,13 +34,13 @@ from flows.report import (  # noqa: E402
 )
 from storage.cancel import StopToken, current_stop, signals_stop_the_run  # noqa: E402
 from storage.errors import Interrupted, RefitError  # noqa: E402
-from storage.flush import flush_in_background  # noqa: E402
-from storage.local_store import UPDATING, LocalStore  # noqa: E402
-from storage.nodes import NodeRecord, write_node_record  # noqa: E402
-from storage.objects import ObjectStore  # noqa: E402
+from storage.store.flush import flush_in_background  # noqa: E402
+from storage.store.local_store import UPDATING, LocalStore  # noqa: E402
+from storage.catalog.nodes import NodeRecord, write_node_record  # noqa: E402
+from storage.objects.store import ObjectStore  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
-from storage.pipeline import Arrivals  # noqa: E402
-from storage.reconstruct import roll_back  # noqa: E402
+from storage.patch.pipeline import Arrivals  # noqa: E402
+from storage.patch.reconstruct import roll_back  # noqa: E402
 from storage.retry import transient  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
 from tasks.activate import ACTIVATE  # noqa: E402

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from storage.checkpoint import INDEX_FILE
-from storage.safetensors import write_safetensors
+from storage.format.checkpoint import INDEX_FILE
+from storage.format.safetensors import write_safetensors
 
 
 @dataclass(frozen=True)

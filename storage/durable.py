@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from storage.digests import canonical_json
+from storage.canonical import canonical_json
 
 COPY_CHUNK = 64 * 2**20
 TEMP_SUFFIXES = (".tmp",)

@@ -1,6 +1,6 @@
 """URL forms of object storage (docs/format.md, section 2): validation, normalisation, joining.
 
-Kept apart from ``storage.objects`` so that settings can validate URLs without
+Kept apart from ``storage.objects.store`` so that settings can validate URLs without
 importing a filesystem client.
 """
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from storage.local_store import ActiveIdentity
+from storage.store.local_store import ActiveIdentity
 from tasks.install import InstallReceipt
 from tasks.receiver import Receiver
 from tasks.stage import Stage

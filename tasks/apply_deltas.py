@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from storage.artifacts import DELTA, FULL
-from storage.checkpoint import CheckpointIndex
-from storage.local_store import Chain, VerifiedCheckpoint
-from storage.manifests import require_known_tensors
-from storage.pipeline import Arrivals, ArrivingPlans
-from storage.reconstruct import materialize, verify_full_artifact
+from storage.store.artifacts import DELTA, FULL
+from storage.format.checkpoint import CheckpointIndex
+from storage.store.local_store import Chain, VerifiedCheckpoint
+from storage.catalog.manifests import require_known_tensors
+from storage.patch.pipeline import Arrivals, ArrivingPlans
+from storage.patch.reconstruct import materialize, verify_full_artifact
 from tasks.fetch_index import Indexes
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan

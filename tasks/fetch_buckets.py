@@ -7,14 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.artifacts import DELTA, FULL
+from storage.store.artifacts import DELTA, FULL
 from storage.durable import tree_size
 from storage.errors import Cancelled, FormatError, ManifestError, RefitError
 from storage.killpoints import killpoint
-from storage.manifests import Manifest
-from storage.pipeline import Arrivals
-from storage.quota import ensure_capacity
-from storage.safetensors import read_header
+from storage.catalog.manifests import Manifest
+from storage.patch.pipeline import Arrivals
+from storage.store.quota import ensure_capacity
+from storage.format.safetensors import read_header
 from tasks.receiver import Receiver
 from tasks.fetch_index import Indexes
 from tasks.resolve_catalog import ReplayPlan

@@ -5,10 +5,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from storage.checkpoint import CheckpointIndex, require_same_layout
+from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.errors import ManifestError, RefitError
-from storage.manifests import MAX_INDEX_BYTES, Manifest, parse_manifest, require_known_tensors, require_same_tensors
-from storage.safetensors import header_length, parse_header
+from storage.catalog.manifests import MAX_INDEX_BYTES, Manifest, parse_manifest, require_known_tensors, require_same_tensors
+from storage.format.safetensors import header_length, parse_header
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
 from tasks.seed_checkpoint import Baseline

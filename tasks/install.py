@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from storage.errors import InstallError, PoisonedError, ReceiverPoisoned
 from storage.killpoints import killpoint
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 from tasks.installers import InstallRequest
 from tasks.receiver import Receiver
 from tasks.stage import Stage

@@ -9,14 +9,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from storage.artifacts import ArtifactCache
+from storage.store.artifacts import ArtifactCache
 from storage.cancel import PROCESS, StopToken
-from storage.catalog import Catalog
+from storage.catalog.records import Catalog
 from storage.durable import remove_tree
 from storage.errors import Cancelled, Interrupted, RefitError
 from storage.killpoints import killpoint
-from storage.local_store import LocalStore
-from storage.objects import ObjectStore, TransferStats
+from storage.store.local_store import LocalStore
+from storage.objects.store import ObjectStore, TransferStats
 from storage.settings import RefitParams
 
 log = logging.getLogger("canonical_refit.receiver")

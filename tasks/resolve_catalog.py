@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from storage.catalog import Revision
+from storage.catalog.records import Revision
 from storage.errors import LineageError
 from tasks.receiver import Receiver
 from tasks.stage import Stage

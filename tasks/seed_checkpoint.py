@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage import launch_files
-from storage.catalog import Revision
-from storage.checkpoint import CheckpointIndex
+from storage.store import launch_files
+from storage.catalog.records import Revision
+from storage.format.checkpoint import CheckpointIndex
 from storage.durable import boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree
 from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
 from storage.killpoints import killpoint
-from storage.local_store import Chain, VerifiedCheckpoint, now_ms
-from storage.quota import ensure_capacity
+from storage.store.local_store import Chain, VerifiedCheckpoint, now_ms
+from storage.store.quota import ensure_capacity
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
 from tasks.stage import Stage

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage.errors import StoreError
-from storage.local_store import VerifiedCheckpoint
-from storage.reconstruct import verify_target
+from storage.store.local_store import VerifiedCheckpoint
+from storage.patch.reconstruct import verify_target
 from tasks.apply_deltas import Prepared
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan

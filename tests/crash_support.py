@@ -271,7 +271,7 @@ def _identity(folder: Path) -> dict:
 
 def check_after_crash(world: World, cache: Path) -> list[str]:
     """What must hold at any instant, even right after a SIGKILL."""
-    from storage.flush import wait_for_flushes
+    from storage.store.flush import wait_for_flushes
 
     wait_for_flushes()  # a refit of this process may still be writing its checkpoint back
     bad = []

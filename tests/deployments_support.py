@@ -57,8 +57,8 @@ def emit_published(env: dict[str, str], catalog: str, model: str, *versions: str
     code = (
         "import sys\n"
         "from flows.publish import emit_published\n"
-        "from storage.catalog import Catalog\n"
-        "from storage.objects import ObjectStore\n"
+        "from storage.catalog.records import Catalog\n"
+        "from storage.objects.store import ObjectStore\n"
         "from storage.settings import ObjectStoreSettings\n"
         "catalog = Catalog(ObjectStore(ObjectStoreSettings()), sys.argv[1], sys.argv[2])\n"
         "for version in sys.argv[3:]:\n"
@@ -69,7 +69,7 @@ def emit_published(env: dict[str, str], catalog: str, model: str, *versions: str
 
 def flip_tensor_byte(bucket: Path, tensor: str) -> None:
     """Flip one byte in the middle of ``tensor``'s frame in a delta bucket (a safetensors file)."""
-    from storage.safetensors import read_header
+    from storage.format.safetensors import read_header
 
     header = read_header(bucket)
     info = header.tensors[tensor]

@@ -216,7 +216,7 @@ def process_env(**extra: str) -> dict[str, str]:
 
 def crash_publish(argv: list[str]) -> None:
     """Run ``flows.publish`` with ``argv``, SIGKILLing this process as the catalog record is written."""
-    from storage.catalog import Catalog
+    from storage.catalog.records import Catalog
 
     def die(self, record):
         sys.stdout.write(f"killed before writing {self.record_url(record.version)}\n")
@@ -234,7 +234,7 @@ def crash_publish(argv: list[str]) -> None:
 
 def transfer_child(argv: list[str]) -> None:
     """``download URL DEST`` or ``upload LOCAL URL`` with ``ObjectStoreSettings`` from the environment."""
-    from storage.objects import ObjectStore
+    from storage.objects.store import ObjectStore
 
     store = ObjectStore(ObjectStoreSettings())
     if argv[0] == "download":
@@ -255,7 +255,7 @@ def bench_reads(mib: int = 16, files: int = 8, concurrency: int = 4) -> None:
     import tracemalloc
     from concurrent.futures import ThreadPoolExecutor
 
-    from storage.objects import ObjectStore
+    from storage.objects.store import ObjectStore
 
     with tempfile.TemporaryDirectory(prefix="s3-bench-") as tmp:
         server = MotoServer(Path(tmp) / "moto.log").start()

@@ -12,7 +12,7 @@ import pytest
 from lab import Lab, tiny_shape
 from sglang_mock import MockSGLang
 from sglang_support import engine_env
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings
 
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import adversarial_support as av
-from storage.catalog import parse_revision
+from storage.catalog.records import parse_revision
 from storage.errors import CatalogError, LineageError, StorageError
 from storage.settings import VERSION_PATTERN
 

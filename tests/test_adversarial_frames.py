@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import adversarial_support as av
-from storage.codec import make_decoder
+from storage.format.codec import make_decoder
 from storage.errors import ChecksumMismatch, CodecError, FormatError
 
 MiB = 2**20

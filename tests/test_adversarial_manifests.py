@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import adversarial_support as av
-from storage.catalog import parse_revision
+from storage.catalog.records import parse_revision
 from storage.errors import ManifestError, StorageError
-from storage.manifests import MAX_INDEX_BYTES, parse_manifest
+from storage.catalog.manifests import MAX_INDEX_BYTES, parse_manifest
 
 MiB = 2**20
 INDEX = "delta.safetensors.index.json"

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import adversarial_support as av
 from storage.errors import ManifestError, SafetensorsError
-from storage.safetensors import DTYPE_SIZES, parse_bytes
+from storage.format.safetensors import DTYPE_SIZES, parse_bytes
 
 MiB = 2**20
 

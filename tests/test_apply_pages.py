@@ -22,13 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage.applier import block_bounds
-from storage.changes import PAGE
-from storage.checkpoint import CheckpointIndex, TensorLocation
-from storage.digests import checksum_bytes
-from storage.encoding import encode_delta
-from storage.patcher import PatchStep, TensorPlan, apply_patches
-from storage.safetensors import write_safetensors
+from storage.patch.applier import block_bounds
+from storage.format.changes import PAGE
+from storage.format.checkpoint import CheckpointIndex, TensorLocation
+from storage.format.digests import checksum_bytes
+from storage.format.encoding import encode_delta
+from storage.patch.patcher import PatchStep, TensorPlan, apply_patches
+from storage.format.safetensors import write_safetensors
 
 MiB = 2**20
 

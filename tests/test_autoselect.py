@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from storage.autoselect import SAMPLE_MIN, SAMPLE_WINDOW, candidates, choose, sample_windows
-from storage.encoding import Encoder
+from storage.format.autoselect import SAMPLE_MIN, SAMPLE_WINDOW, candidates, choose, sample_windows
+from storage.format.encoding import Encoder
 
 MiB = 2**20
 

@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from storage.catalog import Catalog, Revision, parse_revision
-from storage.digests import canonical_json
+from storage.catalog.records import Catalog, Revision, parse_revision
+from storage.canonical import canonical_json
 from storage.errors import CatalogError, ImmutableConflict, InvalidURI, LineageError
-from storage.objects import ObjectStore
+from storage.objects.store import ObjectStore
 from storage.urls import normalize_url
 
 D = {k: "sha256:" + k * 64 for k in "abcdef"}

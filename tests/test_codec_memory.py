@@ -20,10 +20,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import storage.codec as codec
-import storage.sparse as sparse
-from storage.codec import ValidatedFrame, make_decoder, validate_frame
-from storage.encoding import encode_delta
+import storage.format.codec as codec
+import storage.format.sparse as sparse
+from storage.format.codec import ValidatedFrame, make_decoder, validate_frame
+from storage.format.encoding import encode_delta
 from storage.errors import CodecError
 
 MiB = 2**20

@@ -22,7 +22,7 @@ from deployments_support import (
 )
 from flows.synthetic import random_model, train_step, write_checkpoint
 from lab import independent_digest, tiny_shape
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 from storage.urls import normalize_url
 
 pytestmark = pytest.mark.server

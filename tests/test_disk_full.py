@@ -23,7 +23,7 @@ import crash_trials as ct
 from storage import durable
 from storage.durable import tree_size
 from storage.errors import StoreError
-from storage.flush import wait_for_flushes
+from storage.store.flush import wait_for_flushes
 from flows.refit import run_refit
 from storage.settings import RefitParams
 

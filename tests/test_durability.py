@@ -14,7 +14,7 @@ from pathlib import Path
 
 import crash_support as cs
 from lab import independent_digest
-from storage.flush import wait_for_flushes
+from storage.store.flush import wait_for_flushes
 
 
 def _verified(lab, version: str) -> dict:

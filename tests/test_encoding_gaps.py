@@ -1,4 +1,4 @@
-"""The opt-in ``xor_gaps`` encoding (``storage.gaps``): its exact layout, round trips, and strict rejections.
+"""The opt-in ``xor_gaps`` encoding (``storage.format.gaps``): its exact layout, round trips, and strict rejections.
 
 A record is a u64 count, ``count`` minimal LEB128 gaps (gap_i = pos_i - pos_{i-1} - 1,
 pos_{-1} = -1) and ``count`` XOR values. Every rejection happens in validation, before
@@ -16,13 +16,13 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import storage.codec as codec
-import storage.gaps as gaps
-import storage.sparse as sparse
-from storage.codec import make_decoder, sparse_record, validate_frame
-from storage.encoding import Encoder, Setting, encode_delta
+import storage.format.codec as codec
+import storage.format.gaps as gaps
+import storage.format.sparse as sparse
+from storage.format.codec import make_decoder, sparse_record, validate_frame
+from storage.format.encoding import Encoder, Setting, encode_delta
 from storage.errors import CodecError
-from storage.gaps import gaps_record, varints
+from storage.format.gaps import gaps_record, varints
 from test_codec_memory import traced
 
 MiB = 2**20
@@ -100,7 +100,7 @@ def test_round_trips_against_a_sequential_writer(changed, block):
 
 
 def test_the_publisher_encoder_matches_the_whole_record_across_blocks_and_batches(monkeypatch):
-    import storage.encoding as encoding
+    import storage.format.encoding as encoding
 
     monkeypatch.setattr(encoding, "GAP_BATCH", 7)  # many batches, each continuing the previous one's gaps
     rng = np.random.default_rng(4)

@@ -26,9 +26,9 @@ from flows.synthetic import ModelShape
 from lab import Lab, independent_digest
 from storage import errors
 from storage.errors import Cancelled, ChecksumMismatch, FormatError, Interrupted
-from storage.local_store import LocalStore
-from storage.objects import ObjectStore
-from storage.patcher import PatchStep, StaticPlans, TensorPlan, apply_patches
+from storage.store.local_store import LocalStore
+from storage.objects.store import ObjectStore
+from storage.patch.patcher import PatchStep, StaticPlans, TensorPlan, apply_patches
 from storage.urls import join_url, parent_url
 
 SHAPE = ModelShape(vocab=2048, hidden=128, intermediate=352, layers=4, shards=2)  # ~2.7 MB: 3 buckets of 1 MiB
@@ -141,9 +141,9 @@ def _checkpoint_with_deltas(tmp_path: Path, sizes: dict[str, int], bad: set[str]
     """A one-shard checkpoint of ``sizes`` tensors (uint8) and one dense-xor bucket per tensor."""
     import zstandard
 
-    from storage.checkpoint import CheckpointIndex
-    from storage.digests import checksum_bytes
-    from storage.safetensors import write_safetensors
+    from storage.format.checkpoint import CheckpointIndex
+    from storage.format.digests import checksum_bytes
+    from storage.format.safetensors import write_safetensors
 
     rng = np.random.default_rng(0)
     base = {n: rng.integers(0, 256, s, dtype=np.uint8) for n, s in sizes.items()}
@@ -209,7 +209,7 @@ def test_a_stopped_run_stops_its_workers_with_an_interrupt(tmp_path):
 
 
 def test_cancelled_work_is_not_mistaken_for_the_cause():
-    from storage.patcher import _first_error
+    from storage.patch.patcher import _first_error
 
     cause = ChecksumMismatch("tensor bytes hash to x", tensor="bad")
     assert _first_error([Cancelled("stopped: tensor failed"), cause]) is cause

@@ -16,7 +16,7 @@ from s3_support import s3, s3_lab  # noqa: F401  (s3 is a fixture)
 
 from lab import independent_digest
 from storage.errors import PoisonedError
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 from tasks.installers import NoEngineInstaller
 
 

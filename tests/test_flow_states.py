@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lab import independent_digest
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 
 
 def _server_view(flow_run_id):

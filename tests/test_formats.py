@@ -15,13 +15,13 @@ import xxhash
 import zstandard
 from safetensors.numpy import load as st_load
 
-from storage.checkpoint import CheckpointIndex, check_shard_name
-from storage.codec import make_decoder, sparse_record
-from storage.encoding import encode_delta
-from storage.frames import inspect_frame
-from storage.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
+from storage.format.checkpoint import CheckpointIndex, check_shard_name
+from storage.format.codec import make_decoder, sparse_record
+from storage.format.encoding import encode_delta
+from storage.format.frames import inspect_frame
+from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CodecError, FormatError, ManifestError, SafetensorsError
-from storage.safetensors import parse_bytes, read_header, write_safetensors
+from storage.format.safetensors import parse_bytes, read_header, write_safetensors
 
 ENCODINGS = ("xor", "xor_sparse", "overwrite")
 FORMATS = ("adler32", "xxh3-128", "blake3")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lab import Lab, independent_digest, tiny_shape
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_S = 120  # generous bound on how long a run may take to end: the test fails instead of hanging

@@ -14,9 +14,9 @@ import json
 import shutil
 from pathlib import Path
 
-from storage.local_store import LocalStore
-from storage.nodes import read_node_records
-from storage.objects import ObjectStore
+from storage.store.local_store import LocalStore
+from storage.catalog.nodes import read_node_records
+from storage.objects.store import ObjectStore
 
 EXTRA = {"config.json": b'{"model_type": "llama", "hidden_size": 64}\n',
          "tokenizer.json": b'{"version": "1.0", "model": {"type": "BPE"}}\n',

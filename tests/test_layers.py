@@ -92,3 +92,39 @@ def test_there_are_no_import_cycles():
 def test_the_layer_check_sees_imports_inside_functions():
     tree = ast.parse("def f():\n    from flows.cli import main\n")
     assert any(isinstance(n, ast.ImportFrom) and n.module == "flows.cli" for n in ast.walk(tree))
+
+
+# the rooms of storage/ (storage/__init__.py): each may import only the rooms listed for it
+ROOMS = {"format": set(), "objects": {"format"}, "catalog": {"objects", "format"}, "store": {"format"},
+         "patch": {"store", "catalog", "objects", "format"}}
+
+
+def _room(module: str) -> str | None:
+    """``format``, ``objects``, ... for a module of a room; ``""`` for a cross-cutting storage module."""
+    parts = module.split(".")
+    if parts[0] != "storage" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in ROOMS else ""
+
+
+def test_storage_rooms_import_only_the_rooms_below_them():
+    crossing = []
+    for name, path in _modules().items():
+        room = _room(name)
+        if room is None:
+            continue
+        for imported in _imports(path):
+            target = _room(imported)
+            if target is None or target == room:
+                continue  # outside storage, or the same room
+            if room == "" and target != "":
+                crossing.append(f"{name} (cross-cutting) imports {imported}")
+            elif target != "" and target not in ROOMS.get(room, set()):
+                crossing.append(f"{name} ({room}) imports {imported} ({target})")
+    assert crossing == []
+
+
+def test_every_room_says_what_it_holds_and_what_it_may_import():
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse((ROOT / "storage" / room / "__init__.py").read_text()))
+        assert doc and "import" in doc.lower(), f"storage/{room}/__init__.py has no docstring naming its imports"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from storage.catalog import Revision
+from storage.catalog.records import Revision
 from storage.errors import ManifestError
-from storage.manifests import parse_delta_manifest, parse_full_manifest, require_known_tensors
+from storage.catalog.manifests import parse_delta_manifest, parse_full_manifest, require_known_tensors
 
 D = {k: "sha256:" + k * 64 for k in "abc"}
 

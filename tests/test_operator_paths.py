@@ -19,10 +19,10 @@ import pytest
 
 from flows.cli import main as cli_main
 from lab import ROOT_DIR, Lab, independent_digest, tiny_shape
-from storage.catalog import Catalog
+from storage.catalog.records import Catalog
 from storage.errors import CapacityError, LineageError
-from storage.local_store import LocalStore
-from storage.objects import ObjectStore
+from storage.store.local_store import LocalStore
+from storage.objects.store import ObjectStore
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str]:

@@ -1,4 +1,4 @@
-"""Applying while buckets arrive, and undoing a failed in-place apply (storage.pipeline, storage.patcher)."""
+"""Applying while buckets arrive, and undoing a failed in-place apply (storage.patch.pipeline, storage.patch.patcher)."""
 
 from __future__ import annotations
 
@@ -13,18 +13,18 @@ import pytest
 import zstandard
 
 from flows.synthetic import train_step
-from storage.catalog import Revision
-from storage.checkpoint import CheckpointIndex
+from storage.catalog.records import Revision
+from storage.format.checkpoint import CheckpointIndex
 from storage.errors import ChecksumMismatch, CodecError, ObjectNotFound
-from storage.manifests import parse_delta_manifest
-from storage.patcher import apply_patches, plan_patches
-from storage.pipeline import Arrivals, ArrivingPlans
-from storage.publisher import snapshot_of, stage_delta
-from storage.safetensors import read_header, write_safetensors
+from storage.catalog.manifests import parse_delta_manifest
+from storage.patch.patcher import apply_patches, plan_patches
+from storage.patch.pipeline import Arrivals, ArrivingPlans
+from storage.catalog.publisher import snapshot_of, stage_delta
+from storage.format.safetensors import read_header, write_safetensors
 
 
 def checksums_of(index: CheckpointIndex) -> dict[str, str]:
-    """adler32 of every tensor, computed with zlib (independently of storage.digests)."""
+    """adler32 of every tensor, computed with zlib (independently of storage.format.digests)."""
     out = {}
     for name, loc in index.tensors.items():
         with open(index.folder / loc.file, "rb") as fh:

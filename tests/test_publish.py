@@ -15,9 +15,9 @@ from safetensors import safe_open
 
 from flows.synthetic import train_step
 from lab import ROOT_DIR, independent_digest, read_checkpoint
-from storage.checkpoint import CheckpointIndex
+from storage.format.checkpoint import CheckpointIndex
 from storage.errors import ImmutableConflict, LineageError
-from storage.publisher import snapshot_of, stage_delta
+from storage.catalog.publisher import snapshot_of, stage_delta
 
 
 def _record(lab, version) -> dict:

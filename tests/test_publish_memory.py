@@ -16,10 +16,10 @@ import torch
 from flows import api
 from s3_support import s3  # noqa: F401  (a fixture)
 from storage.errors import CheckpointMismatch, FormatError
-from storage.objects import ObjectStore
-from storage.publisher import PublisherCopy
-from storage.safetensors import write_safetensors
-from storage.tensor_source import as_bytes
+from storage.objects.store import ObjectStore
+from storage.catalog.publisher import PublisherCopy
+from storage.format.safetensors import write_safetensors
+from storage.format.tensor_source import as_bytes
 
 MODEL = "org/tiny"
 

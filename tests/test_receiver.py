@@ -16,9 +16,9 @@ from storage.errors import (
     CapacityError, ChecksumMismatch, CheckpointMismatch, CodecError, InstallError, LineageError, ManifestError,
     ObjectNotFound,
 )
-from storage.artifacts import ArtifactCache
-from storage.local_store import LocalStore
-from storage.safetensors import read_header, write_safetensors
+from storage.store.artifacts import ArtifactCache
+from storage.store.local_store import LocalStore
+from storage.format.safetensors import read_header, write_safetensors
 from tasks.installers import InstallOutcome, NoEngineInstaller
 
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from lab import ROOT_DIR, independent_digest
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from storage.errors import (
     AccessDenied, ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, ObjectNotFound,
     PermanentStorageError,
 )
-from storage.objects import ObjectStore, TransferStats
+from storage.objects.store import ObjectStore, TransferStats
 from storage.urls import join_url
 from storage.settings import ObjectStoreSettings, RefitParams
 

@@ -18,10 +18,10 @@ from lab import independent_digest, read_checkpoint
 from s3_support import Faults, aws_environment, process_env, s3, s3_lab  # noqa: F401  (s3 is a fixture)
 
 from flows.synthetic import train_step
-from storage.catalog import Catalog
+from storage.catalog.records import Catalog
 from storage.errors import ConditionalWritesUnsupported, ImmutableConflict
-from storage.local_store import LocalStore
-from storage.objects import ObjectStore
+from storage.store.local_store import LocalStore
+from storage.objects.store import ObjectStore
 from storage.urls import join_url, parent_url
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,9 +23,9 @@ from s3_support import Faults, aws_environment, peak_open, s3  # noqa: F401  (s3
 from storage.errors import (
     AccessDenied, Cancelled, ImmutableConflict, ObjectNotFound, StoreError, TransientStorageError,
 )
-from storage.objects import ObjectStore, TransferStats
-from storage.multipart import S3Multipart, upload_parts
-from storage.transfer import STREAM_CHUNK, partial_paths
+from storage.objects.store import ObjectStore, TransferStats
+from storage.objects.multipart import S3Multipart, upload_parts
+from storage.objects.transfer import STREAM_CHUNK, partial_paths
 from storage.urls import join_url
 
 MIB = 2**20

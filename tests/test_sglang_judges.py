@@ -90,7 +90,7 @@ def test_engine_urls_must_be_http(url):
 
 def test_unreadable_reports_count_as_ranks_that_may_have_mutated(tmp_path):
     from tasks.installers.sglang_loader import read_reports, reports_dir
-    from storage.local_store import LocalStore
+    from storage.store.local_store import LocalStore
 
     store = LocalStore(tmp_path, "org/name")
     folder = reports_dir(store, "req")

@@ -16,7 +16,7 @@ from tasks.installers.sglang_loader import (FAILED, OK, LoaderSettings, LoadRequ
 from lab import Lab, tiny_shape, tree_hash
 from sglang_support import DefaultModelLoader, Faults, LoadFormat, TinySGLangLlama, engine_context, engine_env
 from sglang_support import fake_sglang  # noqa: F401  (fixture)
-from storage.local_store import UPDATING, LocalStore, StoreState, now_ms
+from storage.store.local_store import UPDATING, LocalStore, StoreState, now_ms
 
 
 def as_torch(bits: np.ndarray) -> torch.Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from storage.local_store import ActiveIdentity, LocalStore
+from storage.store.local_store import ActiveIdentity, LocalStore
 
 
 @dataclass(frozen=True)

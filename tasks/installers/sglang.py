@@ -36,8 +36,8 @@ from urllib.parse import urlsplit
 
 from storage.durable import fsync_dir
 from storage.errors import InstallError, PoisonedError
-from storage.local_store import ActiveIdentity, LocalStore, now_ms
-from storage.locks import StoreLock
+from storage.store.local_store import ActiveIdentity, LocalStore, now_ms
+from storage.store.locks import StoreLock
 from storage.settings import InstallerSettings
 from tasks.installers.base import InstallOutcome, InstallRequest
 

@@ -40,7 +40,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.durable import atomic_write_json, read_json_file, remove_tree
 from storage.errors import FormatError, InstallError
-from storage.local_store import READY, LocalStore, now_ms
+from storage.store.local_store import READY, LocalStore, now_ms
 from storage.settings import DEFAULT_CACHE_DIR
 
 log = logging.getLogger("canonical_refit.sglang_loader")

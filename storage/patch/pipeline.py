@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from storage.cancel import StopToken
-from storage.checkpoint import TensorLocation
+from storage.format.checkpoint import TensorLocation
 from storage.errors import Cancelled, RefitError, StoreError
-from storage.manifests import Manifest
-from storage.patcher import PatchStep, TensorPlan, bucket_steps
+from storage.catalog.manifests import Manifest
+from storage.patch.patcher import PatchStep, TensorPlan, bucket_steps
 
 
 class Arrivals:

@@ -1,5 +1,5 @@
 """Sparse delta records (``xor_sparse``, ``overwrite``; docs/format.md, section 5; and the opt-in ``xor_gaps``,
-``storage.gaps``), validated and applied in bounded memory.
+``storage.format.gaps``), validated and applied in bounded memory.
 
 A record is a count, ``count`` positions, then ``count`` values. A zstd frame
 of a few KiB can decode to a record of 5 or 9 bytes per tensor byte, so no
@@ -28,10 +28,10 @@ from typing import Iterator
 
 import numpy as np
 
-from storage.changes import SparseChange
+from storage.format.changes import SparseChange
 from storage.errors import CodecError
-from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
-from storage.gaps import GAPS, GapsStream
+from storage.format.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
+from storage.format.gaps import GAPS, GapsStream
 
 CHUNK = 1 << 18  # entries per streamed chunk (2 MiB of u64 positions)
 UNSORTED_MIN_CAP = 1 << 16

@@ -1,7 +1,7 @@
 """Patching one tensor in place, block by block, touching only the pages that change (and undoing it).
 
 For each block, every revision's decoder first says what it changes
-(``storage.changes``), without writing. The block is then mapped: pages some
+(``storage.format.changes``), without writing. The block is then mapped: pages some
 revision writes are populated writable in one ``MADV_POPULATE_WRITE`` call
 per run of them (on a shared file mapping that marks them dirty, so it is
 never used for pages that do not change); the rest only readable, for the
@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import numpy as np
 
 from storage.cancel import StopToken
-from storage.changes import PAGE, page_runs, page_spans, touched_pages
-from storage.checkpoint import CheckpointIndex, TensorLocation
-from storage.codec import Decoder, make_decoder
-from storage.digests import new_checksum
+from storage.format.changes import PAGE, page_runs, page_spans, touched_pages
+from storage.format.checkpoint import CheckpointIndex, TensorLocation
+from storage.format.codec import Decoder, make_decoder
+from storage.format.digests import new_checksum
 from storage.errors import ChecksumMismatch
 from storage.killpoints import killpoint
-from storage.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
+from storage.format.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
 
 if TYPE_CHECKING:
-    from storage.patcher import PatchStep, TensorPlan
+    from storage.patch.patcher import PatchStep, TensorPlan
 
 
 def block_bounds(location: TensorLocation, block_size: int) -> list[tuple[int, int]]:

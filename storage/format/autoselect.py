@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from storage.encoding import EXTENDED, OVERWRITE_MAX_TENSOR, Encoder, Setting
+from storage.format.encoding import EXTENDED, OVERWRITE_MAX_TENSOR, Encoder, Setting
 
 SAMPLE_WINDOW = 256 * 2**10
 SAMPLE_SHARE = 32  # a 32nd of the model's bytes ...

@@ -17,19 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from storage import launch_files
+from storage.store import launch_files
 from storage.cancel import StopToken
-from storage.catalog import Revision, parse_revision
-from storage.checkpoint import CheckpointIndex, require_same_layout
-from storage.digests import snapshot_digest
+from storage.catalog.records import Revision, parse_revision
+from storage.format.checkpoint import CheckpointIndex, require_same_layout
+from storage.format.digests import snapshot_digest
 from storage.durable import boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
 )
 from storage.killpoints import killpoint
-from storage.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
-from storage.manifests import Manifest, parse_delta_manifest
-from storage.patcher import PlanSource, StaticPlans, apply_patches, plan_patches
+from storage.store.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
+from storage.catalog.manifests import Manifest, parse_delta_manifest
+from storage.patch.patcher import PlanSource, StaticPlans, apply_patches, plan_patches
 
 log = logging.getLogger("canonical_refit.reconstruct")
 
@@ -220,7 +220,7 @@ def verify_target(
         version=target.version, path=store.relative(path), sequence=target.sequence, checksum_format=fmt,
         format_digest=layout_digest, target_digest=digest, checksums=checksums,
         files=folder_identity(path), verified_at_unix_ms=now_ms(), boot_id=boot_id(),
-        flushed=not mutated,  # patched pages reach the disk in the background (storage/flush.py)
+        flushed=not mutated,  # patched pages reach the disk in the background (storage/store/flush.py)
         launch_files=carried,
     )
     store.commit_ready(record, chain)

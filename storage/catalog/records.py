@@ -11,12 +11,13 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.digests import DIGEST_PATTERN, canonical_json, unique_keys
+from storage.canonical import canonical_json, unique_keys
+from storage.format.digests import DIGEST_PATTERN
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import (
     CatalogError, ImmutableConflict, InvalidURI, LineageError, ObjectNotFound, PermanentStorageError, RefitError,
 )
-from storage.objects import ObjectStore
+from storage.objects.store import ObjectStore
 from storage.urls import join_url, normalize_url
 from storage.settings import VERSION_PATTERN
 

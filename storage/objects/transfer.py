@@ -17,8 +17,8 @@ requests go through ``ObjectStore.call`` one range at a time (retried and
 counted); local file errors become ``StoreError`` naming the local path.
 
 The sources (``S3Source``, ``FsspecSource``, ``LocalSource``) are chosen by
-``storage.objects``, the only module that knows about protocols; uploads
-are in ``storage.multipart``.
+``storage.objects.store``, the only module that knows about protocols; uploads
+are in ``storage.objects.multipart``.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from fsspec.asyn import sync
 
-from storage.classify import local_error, s3_error_code
+from storage.objects.classify import local_error, s3_error_code
 from storage.durable import atomic_write_json, fsync_dir, temp_name
 from storage.errors import (
     Cancelled, PermanentStorageError, StoreError, TransientStorageError,
 )
 
 if TYPE_CHECKING:
-    from storage.objects import ObjectStore
+    from storage.objects.store import ObjectStore
 
 log = logging.getLogger("canonical_refit.transfer")
 STREAM_CHUNK = 2**19  # bytes per read of a streamed body: a cancel is seen within one chunk

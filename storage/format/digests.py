@@ -1,33 +1,18 @@
-"""Canonical JSON, per-tensor checksums, format digests and snapshot digests (docs/format.md, section 3)."""
+"""Per-tensor checksums, format digests and snapshot digests (docs/format.md, section 3)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import zlib
 from typing import Iterable, Mapping, Protocol
 
+from storage.canonical import canonical_json
 from storage.errors import FormatError
 
 CHECKSUM_FORMATS = ("adler32", "xxh3-128", "blake3")
 CHECKSUM_HEX_LENGTH = {"adler32": 8, "xxh3-128": 32, "blake3": 64}
 DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-
-def canonical_json(value) -> bytes:
-    """``json.dumps(value, sort_keys=True, separators=(",", ":"))`` as UTF-8."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-
-def unique_keys(pairs):
-    """``object_pairs_hook`` for ``json.loads`` that refuses an object with a repeated key."""
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def sha256_digest(data: bytes) -> str:

@@ -5,11 +5,11 @@ reused scratch buffer, so no page of fresh memory is faulted in per block),
 the changed positions when the encoding is sparse, and the target's checksum
 while its bytes are still in cache. A tensor that did not change gives no
 frame. The frame is then written in the record layout of docs/format.md,
-section 5.6 (or ``storage.gaps`` for the opt-in ``xor_gaps``), always with its
+section 5.6 (or ``storage.format.gaps`` for the opt-in ``xor_gaps``), always with its
 content size. Output is deterministic: the same arrays and setting give the
 same bytes, so a republish uploads identical objects.
 
-``Encoder`` holds one thread's scratch buffers; ``storage.autoselect`` uses
+``Encoder`` holds one thread's scratch buffers; ``storage.format.autoselect`` uses
 it to measure candidate settings on a sample before a revision is encoded.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from storage.digests import new_checksum
-from storage.gaps import GAPS, gaps_of, varints
+from storage.format.digests import new_checksum
+from storage.format.gaps import GAPS, gaps_of, varints
 
 DIFF_BLOCK = 1 << 20  # bytes compared per step: the block, its XOR and its mask stay in cache
 CANONICAL = ("xor", "xor_sparse", "overwrite")

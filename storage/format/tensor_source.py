@@ -25,10 +25,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from storage.checkpoint import TensorLocation, TensorTable
-from storage.digests import new_checksum
+from storage.format.checkpoint import TensorLocation, TensorTable
+from storage.format.digests import new_checksum
 from storage.errors import FormatError
-from storage.safetensors import encode_header, parse_header, write_safetensors
+from storage.format.safetensors import encode_header, parse_header, write_safetensors
 
 MEMORY_SHARD = "model.safetensors"
 MEMORY_METADATA = {"format": "pt"}
@@ -73,7 +73,7 @@ class MemoryCheckpoint(TensorTable):
         return self._arrays[name]
 
     def tensor(self, location: TensorLocation) -> np.ndarray:
-        """What ``storage.encoding.Encoder`` reads (as a folder's ``FileSlice``)."""
+        """What ``storage.format.encoding.Encoder`` reads (as a folder's ``FileSlice``)."""
         return self._arrays[location.name]
 
     def close(self) -> None:

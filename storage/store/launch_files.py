@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.digests import canonical_json
+from storage.canonical import canonical_json
 from storage.durable import atomic_write_json, copy_file, fsync_dir, read_json_file, remove_tree
 from storage.errors import StoreError
 

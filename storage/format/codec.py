@@ -1,10 +1,10 @@
-"""Delta frames: validate and apply on the receiver (docs/format.md, section 5); encoding is in storage.encoding.
+"""Delta frames: validate and apply on the receiver (docs/format.md, section 5); encoding is in storage.format.encoding.
 
 A tensor delta is one zstd frame. Dense ``xor`` decodes to the XOR of base and
 target bytes; ``xor_sparse``, ``overwrite`` (and the opt-in ``xor_gaps``) decode to a record of byte
 positions and values. Receivers validate a frame's structure before decoding
 it (one frame, exact length, declared sizes), decode in bounded blocks, and
-never write past the tensor. Sparse records (``storage.sparse``) are validated
+never write past the tensor. Sparse records (``storage.format.sparse``) are validated
 whole, in one streaming pass, before any byte of their tensor changes; that
 pass's ``ValidatedFrame`` lets the decoder that applies the frame skip it.
 """
@@ -16,17 +16,17 @@ from typing import Protocol
 
 import numpy as np
 
-from storage.changes import DenseChange, SparseChange
+from storage.format.changes import DenseChange, SparseChange
 from storage.errors import CodecError
-from storage.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame
-from storage.gaps import GAPS, gaps_record, validate_gaps
-from storage.sparse import SparseOverwrite, SparseXor, validate_sparse
+from storage.format.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame
+from storage.format.gaps import GAPS, gaps_record, validate_gaps
+from storage.format.sparse import SparseOverwrite, SparseXor, validate_sparse
 
 DENSE_PAGES_RATIO = 1 / 16  # a dense frame over this share of its tensor changes practically every page
 _MAX_POSITIONS = {"xor_sparse": 2**64 - 1, "overwrite": 2**32 - 1}
 
 
-# --- the uncompressed record of one tensor's change (the publisher encodes in storage.encoding) ---
+# --- the uncompressed record of one tensor's change (the publisher encodes in storage.format.encoding) ---
 
 
 def sparse_record(base: np.ndarray, target: np.ndarray, encoding: str) -> bytes:

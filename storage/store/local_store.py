@@ -48,15 +48,15 @@ import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from storage import launch_files
+from storage.store import launch_files
 from storage.durable import (
     atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, remove_tree,
     temp_name, tree_size,
 )
 from storage.errors import InstallError, RefitError, StoreError
 from storage.killpoints import killpoint
-from storage.locks import StoreLock
-from storage.store_records import (  # noqa: F401  (the records are part of the store's interface)
+from storage.store.locks import StoreLock
+from storage.store.records import (  # noqa: F401  (the records are part of the store's interface)
     READY, UPDATING, ActiveIdentity, Chain, PoisonedMark, StoreState, VerifiedCheckpoint, now_ms, read_record,
     store_folder_name,
 )
@@ -390,7 +390,7 @@ class LocalStore:
 
     def _reverify(self, record: VerifiedCheckpoint) -> str:
         """A checkpoint verified before a restart, never known to be on disk: re-hash it before trusting it."""
-        from storage.checkpoint import CheckpointIndex
+        from storage.format.checkpoint import CheckpointIndex
 
         folder = self.absolute(record.path)
         try:

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from storage.digests import format_digest, new_checksum, snapshot_digest
+from storage.format.digests import format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
-from storage.mapped import MappedFiles
-from storage.safetensors import SafetensorsHeader, read_header
+from storage.format.mapped import MappedFiles
+from storage.format.safetensors import SafetensorsHeader, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 HASH_BLOCK = 8 * 2**20

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from storage.errors import ObjectNotFound, StoreError
-from storage.transfer import _local, _Stopped
+from storage.objects.transfer import _local, _Stopped
 
 if TYPE_CHECKING:
-    from storage.objects import ObjectStore
+    from storage.objects.store import ObjectStore
 
 log = logging.getLogger("canonical_refit.transfer")
 

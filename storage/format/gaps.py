@@ -32,7 +32,7 @@ import struct
 import numpy as np
 
 from storage.errors import CodecError
-from storage.frames import ValidatedFrame, _Reader, inspect_frame
+from storage.format.frames import ValidatedFrame, _Reader, inspect_frame
 
 GAPS = "xor_gaps"
 MAX_VARINT = 9  # bytes: 63 bits, more than any tensor offset
@@ -316,7 +316,7 @@ def validate_gaps(frame, nbytes: int, context: dict) -> ValidatedFrame:
 
 
 class GapsStream:
-    """An ``xor_gaps`` record read as it is applied (the ``storage.sparse`` source interface)."""
+    """An ``xor_gaps`` record read as it is applied (the ``storage.format.sparse`` source interface)."""
 
     def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool):
         self.context = context

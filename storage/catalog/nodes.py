@@ -15,9 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 
-from storage.digests import canonical_json
+from storage.canonical import canonical_json
 from storage.errors import FormatError
-from storage.objects import ObjectStore
+from storage.objects.store import ObjectStore
 from storage.settings import NODE_PATTERN
 from storage.urls import join_url, parent_url
 

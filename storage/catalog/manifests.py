@@ -6,14 +6,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from storage.catalog import Revision
-from storage.checkpoint import check_shard_name
-from storage.digests import CHECKSUM_FORMATS, unique_keys
+from storage.catalog.records import Revision
+from storage.format.checkpoint import check_shard_name
+from storage.canonical import unique_keys
+from storage.format.digests import CHECKSUM_FORMATS
 from storage.errors import FormatError, ManifestError
 from storage.urls import join_url, parent_url
 
 MAX_INDEX_BYTES = 64 * 2**20
-DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.gaps
+DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.format.gaps
 DELTA_INDEX_FILE = "delta.safetensors.index.json"
 
 

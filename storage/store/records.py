@@ -2,7 +2,7 @@
 
 ``state.json`` (``StoreState``), ``verified/{v}.json`` (``VerifiedCheckpoint``),
 ``active.json`` (``ActiveIdentity``), ``poisoned.json`` (``PoisonedMark``) and
-``chains/{v}.json`` (``Chain``). Only ``storage.local_store`` writes them.
+``chains/{v}.json`` (``Chain``). Only ``storage.store.local_store`` writes them.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import time
 
 from storage.cancel import StopToken
 from storage.durable import fsync_files
-from storage.local_store import LocalStore, VerifiedCheckpoint
+from storage.store.local_store import LocalStore, VerifiedCheckpoint
 
 log = logging.getLogger("canonical_refit.flush")
 _lock = threading.Lock()

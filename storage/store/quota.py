@@ -9,7 +9,7 @@ from pathlib import Path
 
 from storage.durable import tree_size
 from storage.errors import CapacityError
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 
 log = logging.getLogger("canonical_refit.quota")
 _KIND_ORDER = {"deltas": 0, "materialized": 1, "full": 2}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
 
-from storage.digests import unique_keys
+from storage.canonical import unique_keys
 from storage.errors import SafetensorsError
 
 DTYPE_SIZES = {

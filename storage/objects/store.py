@@ -7,7 +7,7 @@ resumable downloads into local files, create-only writes (concurrent multipart
 uploads on S3) and listings. Every request is classified into transient errors
 (retried with bounded exponential backoff and counted in ``TransferStats``)
 and permanent ones (raised at once, URI in the message). Data requests share
-one connection budget per store (``storage.transfer``). Nothing outside this
+one connection budget per store (``storage.objects.transfer``). Nothing outside this
 module branches on the protocol.
 """
 
@@ -30,11 +30,11 @@ from storage.errors import (
     RefitError,
     ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
-from storage.classify import classify, local_error
+from storage.objects.classify import classify, local_error
 from storage.settings import ObjectStoreSettings
-from storage import transfer
-from storage.multipart import S3Multipart, upload_parts
-from storage.transfer import ConnectionBudget, FsspecSource, LocalSource, S3Source
+import storage.objects.transfer as transfer
+from storage.objects.multipart import S3Multipart, upload_parts
+from storage.objects.transfer import ConnectionBudget, FsspecSource, LocalSource, S3Source
 from storage.urls import join_url, normalize_url
 
 log = logging.getLogger("canonical_refit.objects")
@@ -266,7 +266,7 @@ class ObjectStore:
         at most one ``range_size``; a body shorter than it is a transient error,
         so the request is retried. A larger remote object is fetched as ranges
         in parallel, and a download interrupted in any way (even SIGKILL)
-        resumes from its recorded ranges (``storage.transfer``). ``cancel`` set
+        resumes from its recorded ranges (``storage.objects.transfer``). ``cancel`` set
         stops it within one chunk (``Cancelled``); ``progress(n)`` is told of
         bytes as they land. Local file errors raise ``StoreError`` naming the file.
         """

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from storage.durable import atomic_write_bytes, atomic_write_json, file_identity, read_json_file, remove_tree
-from storage.local_store import LocalStore
+from storage.store.local_store import LocalStore
 
 FULL, DELTA = "full", "deltas"
 DELTA_INDEX_NAME = "index.json"

@@ -20,19 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from storage.catalog import SCHEMA, Catalog, Revision
-from storage.checkpoint import INDEX_FILE, CheckpointIndex, TensorLocation, require_same_layout
-from storage import autoselect
-from storage.autoselect import Choice
-from storage.encoding import CANONICAL, EXTENDED, Encoded, Encoder, FileSlice, Setting
-from storage.digests import canonical_json, snapshot_digest
+from storage.catalog.records import SCHEMA, Catalog, Revision
+from storage.format.checkpoint import INDEX_FILE, CheckpointIndex, TensorLocation, require_same_layout
+from storage.format import autoselect
+from storage.format.autoselect import Choice
+from storage.format.encoding import CANONICAL, EXTENDED, Encoded, Encoder, FileSlice, Setting
+from storage.canonical import canonical_json
+from storage.format.digests import snapshot_digest
 from storage.durable import atomic_write_json, copy_tree_files, file_identity, read_json_file, remove_tree
 from storage.errors import LineageError, ObjectNotFound
-from storage.manifests import DELTA_INDEX_FILE
-from storage.objects import ObjectStore
+from storage.catalog.manifests import DELTA_INDEX_FILE
+from storage.objects.store import ObjectStore
 from storage.urls import join_url
-from storage.safetensors import encode_header, write_safetensors
-from storage.tensor_source import MemoryCheckpoint
+from storage.format.safetensors import encode_header, write_safetensors
+from storage.format.tensor_source import MemoryCheckpoint
 
 log = logging.getLogger("canonical_refit.publisher")
 
@@ -115,7 +116,7 @@ def source_label(index: CheckpointIndex | MemoryCheckpoint) -> str | None:
 
 def choose_setting(base: Snapshot, target: CheckpointIndex | MemoryCheckpoint, requested: str, *, level: int,
                    workers: int, allow_extended: bool = False) -> tuple[Setting, Choice | None]:
-    """The encoding and zstd level to publish with; for ``auto``, measured on a sample (``storage.autoselect``).
+    """The encoding and zstd level to publish with; for ``auto``, measured on a sample (``storage.format.autoselect``).
 
     ``auto`` considers the canonical encodings only, unless ``allow_extended``
     (then ``xor_gaps`` too: receivers must know it). A named encoding is used
@@ -165,7 +166,7 @@ def stage_delta(
     ``bucket_max_bytes`` decoded bytes (a larger tensor gets its own);
     unchanged tensors are omitted. ``workers`` threads encode tensors ahead
     (results taken in name order), each in one pass over base and target
-    (``storage.encoding``). Memory holds the frames of the tensors in flight.
+    (``storage.format.encoding``). Memory holds the frames of the tensors in flight.
     """
     require_same_layout(base.index.layout(), target.layout(), revision=version, file=source_label(target))
     setting, choice = choose_setting(base, target, encoding, level=level, workers=workers,
@@ -273,7 +274,7 @@ def _in_order(pool, fn, names: list[str], index: CheckpointIndex | MemoryCheckpo
 def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], None] | None = None) -> Payload:
     """Copy a checkpoint's shards with per-tensor checksums in their metadata, plus a declaring index.
 
-    A checkpoint in memory is its one shard (``storage.tensor_source``), written from the arrays.
+    A checkpoint in memory is its one shard (``storage.format.tensor_source``), written from the arrays.
     """
     remove_tree(folder)
     folder.mkdir(parents=True)
@@ -418,7 +419,7 @@ class PublisherCopy:
 
         In memory, the tensors are copied (the trainer's own ones change with
         its next step); on disk, tensors in memory are written as their one
-        shard (``storage.tensor_source``).
+        shard (``storage.format.tensor_source``).
         """
         if self.in_memory and isinstance(source, MemoryCheckpoint):
             kept = _KeptInMemory(version, checksum_format, dict(checksums), source.copy())

@@ -4,7 +4,7 @@
 structure, sparse records) before any of its bytes are used; ``plan_patches``
 does it for every bucket of a chain and groups the frames into one
 ``TensorPlan`` per changed tensor. ``apply_patches`` streams each tensor once
-(``storage.applier``): for every bounded block it folds the block through the
+(``storage.patch.applier``): for every bounded block it folds the block through the
 tensor's K decoders in revision order, updating each revision's checksum on
 the running value, and writes only the pages some revision changes. Plans may arrive while buckets are still downloading
 (``PlanSource``). If anything fails, the bytes already patched can be undone in
@@ -19,15 +19,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
-from storage.applier import Maps, Progress, apply_tensor, undo
+from storage.patch.applier import Maps, Progress, apply_tensor, undo
 from storage.cancel import StopToken
-from storage.checkpoint import CheckpointIndex, TensorLocation
-from storage.codec import ValidatedFrame, validate_frame
-from storage.digests import is_checksum
+from storage.format.checkpoint import CheckpointIndex, TensorLocation
+from storage.format.codec import ValidatedFrame, validate_frame
+from storage.format.digests import is_checksum
 from storage.errors import Cancelled, CodecError, ManifestError, RefitError
-from storage.manifests import Manifest
-from storage.mapped import MappedFiles
-from storage.safetensors import read_header
+from storage.catalog.manifests import Manifest
+from storage.format.mapped import MappedFiles
+from storage.format.safetensors import read_header
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
@@ -250,7 +250,7 @@ def apply_patches(
             _join_all(threads, on_interrupt=fail)
         if failures:
             raise _first_error(failures)
-        return results  # dirty pages reach the disk later (storage/flush.py): not on the refit's critical path
+        return results  # dirty pages reach the disk later (storage/store/flush.py): not on the refit's critical path
     except BaseException as exc:
         error = _mark_mutated(exc)
         if undo_to is not None:
