@@ -36,9 +36,10 @@ from storage.format.checkpoint import CheckpointIndex, require_same_layout  # no
 from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
 from storage.objects.store import ObjectStore  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
+from storage.catalog.kept_base import KEEP_BASES, PublisherCopy  # noqa: E402
 from storage.catalog.publisher import (  # noqa: E402
-    KEEP_BASES, Payload, PublisherCopy, Snapshot, existing_record, make_record, next_sequence, same_publication,
-    snapshot_of, source_label, stage_delta, stage_full, upload_payload,
+    Payload, Snapshot, existing_record, make_record, next_sequence, same_publication, snapshot_of, source_label,
+    stage_delta, stage_full, upload_payload,
 )
 from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402

@@ -160,7 +160,7 @@ def copy_file(src: Path, dst: Path, progress: Callable[[int], None] | None = Non
     size = os.path.getsize(src)
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         if not _reflink(fin.fileno(), fout.fileno()):
-            _copy_range(fin, fout, size, progress, stop)
+            copy_bytes(fin, fout, size, progress=progress, stop=stop)
         else:
             progress and progress(size)
         fout.flush()
@@ -182,31 +182,43 @@ def _reflink(src_fd: int, dst_fd: int) -> bool:
         return False
 
 
-def _copy_range(fin, fout, size: int, progress, stop) -> None:
-    offset = 0
+def copy_bytes(fin, fout, nbytes: int, *, src_offset: int = 0, progress: Callable[[int], None] | None = None,
+               stop=None) -> None:
+    """The one chunked copy: ``nbytes`` of the open file ``fin`` from ``src_offset`` into ``fout`` at its position.
+
+    ``copy_file_range`` where the kernel can (no bytes through user space),
+    else ``pread``/``pwrite`` in ``COPY_CHUNK`` pieces; a write that takes
+    nothing is ``ENOSPC``, an early end of ``fin`` is ``EIO``: never a short
+    copy reported whole. ``fout``'s position ends after the copied bytes;
+    ``stop`` (a ``StopToken``) is checked between chunks.
+    """
+    fout.flush()
+    start = fout.tell()
+    done = 0
     use_cfr = hasattr(os, "copy_file_range")
-    while offset < size:
+    while done < nbytes:
         if stop is not None:
             stop.check(file=fout.name)
-        n = min(COPY_CHUNK, size - offset)
+        n = min(COPY_CHUNK, nbytes - done)
         copied = 0
         if use_cfr:
             try:
-                copied = os.copy_file_range(fin.fileno(), fout.fileno(), n, offset, offset)
+                copied = os.copy_file_range(fin.fileno(), fout.fileno(), n, src_offset + done, start + done)
             except OSError as exc:
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                     raise
                 use_cfr = False
         if not copied:
-            chunk = os.pread(fin.fileno(), n, offset)
+            chunk = os.pread(fin.fileno(), n, src_offset + done)
             if not chunk:
-                raise OSError(errno.EIO, f"unexpected end of {fin.name} at {offset} of {size}")
-            copied = os.pwrite(fout.fileno(), chunk, offset)  # a full disk may take only part of it
+                raise OSError(errno.EIO, f"unexpected end of {fin.name} at {src_offset + done}")
+            copied = os.pwrite(fout.fileno(), chunk, start + done)  # a full disk may take only part of it
             if not copied:
-                raise OSError(errno.ENOSPC, f"no space left writing {fout.name} at {offset} of {size}")
-        offset += copied
+                raise OSError(errno.ENOSPC, f"no space left writing {fout.name} at {start + done}")
+        done += copied
         if progress:
             progress(copied)
+    fout.seek(start + nbytes)
 
 
 def copy_tree_files(

@@ -17,7 +17,7 @@ from flows import api
 from s3_support import s3  # noqa: F401  (a fixture)
 from storage.errors import CheckpointMismatch, FormatError
 from storage.objects.store import ObjectStore
-from storage.catalog.publisher import PublisherCopy
+from storage.catalog.kept_base import PublisherCopy
 from storage.format.safetensors import write_safetensors
 from storage.format.tensor_source import as_bytes
 

@@ -25,7 +25,7 @@ from typing import Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.durable import atomic_write_bytes, create_only_write
+from storage.durable import atomic_write_bytes, copy_bytes, create_only_write
 from storage.errors import (
     RefitError,
     ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
@@ -361,7 +361,7 @@ class ObjectStore:
         def put() -> bool:
             try:
                 if self.is_local(fs):
-                    if not create_only_write(Path(path), lambda fh: _copy_into(local, fh)):
+                    if not create_only_write(Path(path), lambda fh: _copy_into(local, fh, size)):
                         raise FileExistsError(path)
                 elif "s3" in _protocols(fs):
                     fs.put_file(str(local), path, mode="create", chunksize=part)  # under 2 parts: one PUT
@@ -472,7 +472,6 @@ def _server_of(fs: fsspec.AbstractFileSystem) -> str:
     return _protocols(fs)[0]
 
 
-def _copy_into(src: Path, dst_fh, chunk: int = 16 * 2**20) -> None:
+def _copy_into(src: Path, dst_fh, size: int) -> None:
     with open(src, "rb") as fh:
-        while block := fh.read(chunk):
-            dst_fh.write(block)
+        copy_bytes(fh, dst_fh, size)
