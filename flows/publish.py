@@ -26,7 +26,7 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow  # noqa: E402
@@ -34,8 +34,7 @@ from prefect import flow  # noqa: E402
 from storage.catalog.records import Catalog, Revision  # noqa: E402
 from storage.format.checkpoint import CheckpointIndex, require_same_layout  # noqa: E402
 from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
-from storage.objects.store import ObjectStore  # noqa: E402
-from storage.urls import join_url, parent_url  # noqa: E402
+from storage.urls import join_url  # noqa: E402
 from storage.catalog.kept_base import KEEP_BASES, PublisherCopy  # noqa: E402
 from storage.catalog.publisher import (  # noqa: E402
     Payload, Snapshot, existing_record, make_record, next_sequence, same_publication, snapshot_of, source_label,
@@ -45,7 +44,8 @@ from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
-from tasks.stage import in_flow_run, step  # noqa: E402
+from tasks.publisher import Publisher  # noqa: E402
+from tasks.stage import Stage, in_flow_run  # noqa: E402
 from flows import heartbeats  # noqa: E402
 
 heartbeats.install()
@@ -78,6 +78,7 @@ class PublishResult:
     bytes_per_s: float = 0.0  # model bytes per second of the whole run
     already_published: bool = False
     attempts: int = 1  # of the upload and record write (retried after transient failures)
+    stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, attempts, status
 
 
 @dataclass(frozen=True)
@@ -92,19 +93,14 @@ class Publication:
     existing: Revision | None
 
 
-def payload_root(params: PublishParams, catalog: Catalog) -> str:
-    return params.payload_url or join_url(parent_url(catalog.url), "revisions")
-
-
-@step("plan revision")
-def plan_revision(params: PublishParams, catalog: Catalog, source: MemoryCheckpoint | None = None,
-                  keep_base: str = "disk") -> Publication:
+def plan_revision(pub: Publisher, source: MemoryCheckpoint | None = None, keep_base: str = "disk") -> Publication:
     """Load the target (``source``, or the checkpoint folder) and, for a delta, the exact base (checked against
     its record and the target's layout); only then claim the version's sequence.
 
     Everything that can refuse the input does so before the claim, so a
     refused publication leaves the catalog as it was.
     """
+    params, catalog = pub.params, pub.catalog
     sequence, latest = next_sequence(catalog)
     existing = existing_record(catalog, params.version) if params.version else None
     if params.kind == "initial":
@@ -155,9 +151,9 @@ def claim_sequence(catalog: Catalog, sequence: int, version: str | None, *, atte
                             "publications", file=catalog.url, field="sequence")
 
 
-@step("encode payload")
-def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> tuple[Payload | None, Snapshot]:
+def encode_payload(pub: Publisher, plan: Publication, staging: Path) -> tuple[Payload | None, Snapshot]:
     """Stage the payload files locally; returns the payload and the target snapshot."""
+    params = pub.params
     if params.kind == "delta":
         payload = stage_delta(
             plan.base_snapshot, plan.target, staging, version=plan.version, base_version=plan.base.version,
@@ -173,21 +169,32 @@ def encode_payload(params: PublishParams, plan: Publication, staging: Path) -> t
     return stage_full(snap, staging), snap
 
 
-@step("upload payload", retry=lambda params, *_: params.stage_retry_policy())  # a conflict cannot succeed later
-def upload(params: PublishParams, objects: ObjectStore, payload: Payload | None, url: str) -> int:
-    return upload_payload(objects, payload, url, workers=params.storage.concurrency) if payload else 0
+def upload(pub: Publisher, payload: Payload | None, url: str) -> Uploaded:
+    """Put the staged payload create-only (a retry accepts what an earlier attempt put)."""
+    return Uploaded(upload_payload(pub.objects, payload, url, workers=pub.params.storage.concurrency)
+                    if payload else 0)
 
 
-@step("write record")
-def write_record(catalog: Catalog, record: Revision) -> bool:
+def write_record(pub: Publisher, record: Revision) -> bool:
     """Create the catalog record (last); an identical earlier publication is accepted as is."""
     try:
-        return catalog.write(record)
+        return pub.catalog.write(record)
     except ImmutableConflict:
-        existing = catalog.read(record.version)
+        existing = pub.catalog.read(record.version)
         if same_publication(existing, record):
             return False
         raise
+
+
+@dataclass(frozen=True)
+class Uploaded:
+    bytes: int
+
+
+PLAN_REVISION = Stage("plan revision", plan_revision, retried=False)
+ENCODE_PAYLOAD = Stage("encode payload", encode_payload, retried=False)
+UPLOAD_PAYLOAD = Stage("upload payload", upload, retried=True)  # create-only: a retry completes a partial upload
+WRITE_RECORD = Stage("write record", write_record, retried=False)
 
 
 def emit_published(record: Revision, catalog: Catalog) -> None:
@@ -209,8 +216,7 @@ def publish(params: PublishParams) -> PublishResult:
     return run_publish(params)
 
 
-def put_publication(params: PublishParams, objects: ObjectStore, catalog: Catalog, payload: Payload | None,
-                    url: str, record: Revision) -> tuple[int, bool, int]:
+def put_publication(pub: Publisher, payload: Payload | None, url: str, record: Revision) -> tuple[int, bool, int]:
     """Upload the payload, then write the record; after a transient failure, both again (bytes written,
     record created, attempts).
 
@@ -221,9 +227,9 @@ def put_publication(params: PublishParams, objects: ObjectStore, catalog: Catalo
 
     def put() -> tuple[int, bool]:
         attempts.append(1)
-        return upload(params, objects, payload, url), write_record(catalog, record)
+        return UPLOAD_PAYLOAD(pub, payload, url).bytes, WRITE_RECORD(pub, record)
 
-    written, created = retried(params, f"publishing {record.version}", put)
+    written, created = retried(pub.params, f"publishing {record.version}", put)
     return written, created, len(attempts)
 
 
@@ -244,24 +250,31 @@ def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None
     if keep_base not in KEEP_BASES:
         raise ValueError(f"keep_base must be one of {', '.join(KEEP_BASES)}, not {keep_base!r}")
     started = time.perf_counter()
-    objects = ObjectStore.shared(params.storage)
-    catalog = Catalog(objects, params.catalog, params.model)
+    pub = Publisher(params)
+    try:
+        return _publish(pub, source, keep_base, started)
+    finally:
+        pub.close()
+
+
+def _publish(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, started: float) -> PublishResult:
+    params, objects, catalog = pub.params, pub.objects, pub.catalog
     # the catalog's prefix first: with one bucket for both, the probe is always under {catalog}/ (the one
     # prefix a least-privilege policy lets the publisher delete in); a payload bucket of its own is probed too
-    for prefix in dict.fromkeys([catalog.url, payload_root(params, catalog)]):
+    for prefix in dict.fromkeys([catalog.url, pub.payload_root]):
         retried(params, "checking create-only writes", lambda p=prefix: objects.ensure_conditional_writes(
             p, allow_unconditional=params.allow_unconditional_writes))
-    plan = plan_revision(params, catalog, source, keep_base)
-    url = join_url(payload_root(params, catalog), plan.version)
+    plan = PLAN_REVISION(pub, source, keep_base)
+    url = join_url(pub.payload_root, plan.version)
     with tempfile.TemporaryDirectory(prefix="canonical-refit-publish-") as tmp:
-        payload, snap = encode_payload(params, plan, Path(tmp) / plan.version)
+        payload, snap = ENCODE_PAYLOAD(pub, plan, Path(tmp) / plan.version)
         uri = join_url(url, payload.index_name) if payload else None
         record = make_record(params.model, plan.version, plan.sequence, PAYLOAD_FORMATS[params.kind],
                              snap.checksum_format, snap.format_digest, snap.target_digest, base=plan.base, uri=uri)
         if plan.existing is not None and not same_publication(plan.existing, record):
             raise ImmutableConflict("a different revision is already published under this version",
                                     revision=plan.version, file=catalog.record_url(plan.version))
-        written, created, attempts = put_publication(params, objects, catalog, payload, url, record)
+        written, created, attempts = put_publication(pub, payload, url, record)
     if params.emit_event:
         if in_flow_run() or configured_api_url():
             emit_published(record, catalog)
@@ -281,6 +294,7 @@ def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None
         seconds=round(seconds, 3), model_bytes=plan.target.nbytes,
         bytes_per_s=round(plan.target.nbytes / seconds, 1) if seconds > 0 else 0.0,
         already_published=not created, attempts=attempts,
+        stages=[r.summary() for r in pub.ledger.stages.values()],
     )
     log.info("published %s (seq %d, %s): %d bytes written, %d changed tensor(s), ratio %.2f, %.2fs (%.0f MB/s "
              "of model)", result.version, result.sequence, result.payload_format, result.bytes_written,

@@ -73,9 +73,7 @@ def build_result(rx: Receiver, status: str, error: BaseException | None = None, 
     return RefitResult(
         status=status, version=identity[0], target_digest=identity[1], format_digest=identity[2],
         checkpoint_path=str(rx.store.absolute(current.path)) if current is not None else None,
-        stages=[{"name": r.name, "seconds": round(r.seconds, 3), "bytes": r.bytes, "attempts": r.attempts,
-                 "requests": r.requests, "retries": r.retries, "backoff_s": round(r.backoff_s, 2),
-                 "status": r.status} for r in rx.ledger.stages.values()],
+        stages=[r.summary() for r in rx.ledger.stages.values()],
         error=str(error) if error is not None else None,
         error_detail=error.to_dict() if isinstance(error, RefitError) else (
             {"type": type(error).__name__, "message": str(error)} if error is not None else None),

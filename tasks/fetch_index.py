@@ -95,4 +95,4 @@ def _local_layout(rx: Receiver, baseline: Baseline):
     return None
 
 
-FETCH_INDEX = Stage("fetch index", fetch_index, read_only=True)
+FETCH_INDEX = Stage("fetch index", fetch_index, retried=True)

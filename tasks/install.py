@@ -78,4 +78,4 @@ def recover_command(params) -> str:
     return (f"python -m flows.refit recover --model {params.model} --cache-dir {params.cache_dir}")
 
 
-INSTALL = Stage("install", install, read_only=False)
+INSTALL = Stage("install", install, retried=False)

@@ -6,79 +6,23 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from storage.store.artifacts import ArtifactCache
 from storage.cancel import PROCESS, StopToken
 from storage.catalog.records import Catalog
 from storage.durable import remove_tree
-from storage.errors import Cancelled, Interrupted, RefitError
 from storage.killpoints import killpoint
 from storage.store.local_store import LocalStore
 from storage.objects.store import ObjectStore, TransferStats
 from storage.settings import RefitParams
+from tasks.stage import Ledger, StageRecord, measuring
 
 log = logging.getLogger("canonical_refit.receiver")
 
 
-@dataclass
-class StageRecord:
-    """Wall time, bytes and transfer counts of one stage, as shown in the run's table."""
-
-    name: str
-    seconds: float = 0.0
-    bytes: int = 0
-    attempts: int = 0
-    requests: int = 0
-    retries: int = 0
-    backoff_s: float = 0.0
-    status: str = "pending"
-    detail: str = ""
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
-
-    def row(self) -> dict:
-        return {
-            "stage": self.name,
-            "status": self.status,
-            "seconds": round(self.seconds, 3),
-            "bytes": self.bytes,
-            "MB/s": round(self.mb_per_s, 1),
-            "attempts": self.attempts,
-            "requests": self.requests,
-            "retries": self.retries,
-            "backoff_s": round(self.backoff_s, 2),
-            "detail": self.detail,
-        }
-
-
 STAGE_ORDER = ("resolve catalog", "seed checkpoint", "fetch index", "fetch buckets", "apply deltas",
                "verify digest", "install", "activate")
-
-
-@dataclass
-class Ledger:
-    """Per-stage records of one run."""
-
-    records: dict[str, StageRecord] = field(default_factory=dict)
-    lineage: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def record(self, name: str) -> StageRecord:
-        return self.records.setdefault(name, StageRecord(name))
-
-    @property
-    def stages(self) -> dict[str, StageRecord]:
-        """The records in the order of docs/format.md, section 8 (fetch and apply start together, so arrival order varies)."""
-        rank = {name: i for i, name in enumerate(STAGE_ORDER)}
-        return dict(sorted(self.records.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-
-    def note(self, message: str) -> None:
-        log.info(message)
-        self.notes.append(message)
 
 
 class Progress:
@@ -101,16 +45,6 @@ class Progress:
             self._report(self.label, self.done, self.total)
 
 
-def stage_status(error: BaseException, interrupted: bool) -> str:
-    """How a stage that raised ``error`` ended: ``interrupted`` (Ctrl-C, SIGTERM, a cancellation), ``cancelled``
-    (stopped because another stage failed) or ``failed``."""
-    if interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
-        return "interrupted"
-    if isinstance(error, Cancelled):
-        return "cancelled"
-    return "failed"
-
-
 class Receiver:
     """The stores, settings and stop token one refit run works with (no Prefect here)."""
 
@@ -123,7 +57,7 @@ class Receiver:
         self._objects = ObjectStore.shared(params.storage)
         self._stage_view = threading.local()  # fetch and apply run at once: each stage counts its own requests
         self.catalog = Catalog(self._objects, params.catalog, params.model, cache_dir=self.store.catalog_dir)
-        self.ledger = Ledger()
+        self.ledger = Ledger(STAGE_ORDER, log=log)
         self.report_progress = progress
         self.installer = installer
         self.lock = None
@@ -141,27 +75,22 @@ class Receiver:
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:
         """Measure one stage: wall time, and the requests, retries and backoff it caused."""
-        record = self.ledger.record(name)
-        record.attempts += 1
         stats = TransferStats()
         self._stage_view.objects = self._objects.with_stats(stats)
         self.catalog.store = self._stage_view.objects
-        start = time.perf_counter()
         try:
-            yield record
-            record.status = "ok"
-        except BaseException as exc:
-            record.status = stage_status(exc, self.stop.interrupted)
-            record.detail = str(exc) if isinstance(exc, RefitError) else f"{type(exc).__name__}: {exc}"
-            raise
+            with measuring(self.ledger.record(name), self.stop) as record:
+                yield record
         finally:
-            record.seconds += time.perf_counter() - start
             snap = stats.snapshot()
             record.requests += snap["attempts"]
             record.retries += snap["retries"]
             record.backoff_s += snap["backoff_s"]
             self._stage_view.objects = None
             self.catalog.store = self._objects
+
+    def stage_retry_policy(self):
+        return self.params.stage_retry_policy()
 
     @contextmanager
     def preparation(self) -> Iterator:

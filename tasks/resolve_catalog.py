@@ -84,4 +84,4 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
     return ReplayPlan(target, initial, tuple(lineage), root.version in local)
 
 
-RESOLVE_CATALOG = Stage("resolve catalog", resolve_catalog, read_only=True)
+RESOLVE_CATALOG = Stage("resolve catalog", resolve_catalog, retried=True)

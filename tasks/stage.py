@@ -1,29 +1,34 @@
-"""How a plain stage function becomes a pipeline stage: named, measured, retried, a Prefect task in a flow.
+"""How a plain function becomes a pipeline stage: named, measured, retried, a Prefect task inside a flow run.
 
-A ``Stage`` runs its function the same way everywhere: measured into the
-run's ledger, transient failures of read-only stages retried with backoff
-(inside the stage, in the calling thread, so a retry never outlives the
-store lock), every attempt checking the run's stop token first. Inside a
-Prefect flow run it runs as a task of the same name (one task run per
-stage, states and timings in the UI); outside one (the crash harness, a
-trainer process, the benchmarks) it runs as the plain function. The
-composition that calls the stages is the same either way.
+The one Prefect adapter of the project. A stage's function takes its run
+first — a ``Receiver`` (``tasks/receiver.py``) or a ``Publisher``
+(``tasks/publisher.py``): anything with ``stage(name)`` (which measures the
+stage into the run's ledger), ``stop`` and ``stage_retry_policy()``. A
+``Stage`` runs it the same way everywhere: measured, each attempt checking
+the run's stop token first, transient failures retried inside the stage
+under the run's stage retry policy when the stage is ``retried`` (inside:
+in the calling thread, so a retry never outlives the store lock). Inside a
+Prefect flow run it runs as a task of its name (one task run per stage,
+states and timings in the UI); outside one (the crash harness, a trainer
+process, the benchmarks) as the plain function. The composition that calls
+the stages is the same either way.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
-from typing import Any, Callable, Generic, TypeVar
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from storage.retry import RetryPolicy
 
-log = logging.getLogger("canonical_refit.stage")
 R = TypeVar("R")
+ONCE = RetryPolicy(1, 0.0)
 
 
 def in_flow_run() -> bool:
@@ -31,6 +36,103 @@ def in_flow_run() -> bool:
     from prefect.context import FlowRunContext
 
     return FlowRunContext.get() is not None
+
+
+@dataclass
+class StageRecord:
+    """Wall time, bytes and transfer counts of one stage, as shown in the run's table."""
+
+    name: str
+    seconds: float = 0.0
+    bytes: int = 0
+    attempts: int = 0
+    requests: int = 0
+    retries: int = 0
+    backoff_s: float = 0.0
+    status: str = "pending"
+    detail: str = ""
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+    def row(self) -> dict:
+        return {
+            "stage": self.name,
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "bytes": self.bytes,
+            "MB/s": round(self.mb_per_s, 1),
+            "attempts": self.attempts,
+            "requests": self.requests,
+            "retries": self.retries,
+            "backoff_s": round(self.backoff_s, 2),
+            "detail": self.detail,
+        }
+
+    def summary(self) -> dict:
+        """What a run's result lists for the stage (``--json``)."""
+        return {"name": self.name, "seconds": round(self.seconds, 3), "bytes": self.bytes,
+                "attempts": self.attempts, "requests": self.requests, "retries": self.retries,
+                "backoff_s": round(self.backoff_s, 2), "status": self.status}
+
+
+@dataclass
+class Ledger:
+    """Per-stage records of one run, listed in ``order`` (stages that overlap arrive in any order)."""
+
+    order: Sequence[str] = ()
+    records: dict[str, StageRecord] = field(default_factory=dict)
+    lineage: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    log: Any = None  # the logger notes go to
+
+    def record(self, name: str) -> StageRecord:
+        return self.records.setdefault(name, StageRecord(name))
+
+    @property
+    def stages(self) -> dict[str, StageRecord]:
+        rank = {name: i for i, name in enumerate(self.order)}
+        return dict(sorted(self.records.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+    def note(self, message: str) -> None:
+        if self.log is not None:
+            self.log.info(message)
+        self.notes.append(message)
+
+
+def stage_status(error: BaseException, interrupted: bool) -> str:
+    """How a stage that raised ``error`` ended: ``interrupted`` (Ctrl-C, SIGTERM, a cancellation), ``cancelled``
+    (stopped because another stage failed) or ``failed``."""
+    from storage.errors import Cancelled, Interrupted
+
+    if interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
+        return "interrupted"
+    if isinstance(error, Cancelled):
+        return "cancelled"
+    return "failed"
+
+
+class measuring:
+    """``with measuring(record, stop) as record:`` times a stage and sets its status (the runs' ``stage``)."""
+
+    def __init__(self, record: StageRecord, stop):
+        self.record, self.stop = record, stop
+
+    def __enter__(self) -> StageRecord:
+        self.record.attempts += 1
+        self.started = time.perf_counter()
+        return self.record
+
+    def __exit__(self, kind, error, _tb) -> None:
+        self.record.seconds += time.perf_counter() - self.started
+        if error is None:
+            self.record.status = "ok"
+            return
+        from storage.errors import RefitError
+
+        self.record.status = stage_status(error, bool(self.stop is not None and self.stop.interrupted))
+        self.record.detail = str(error) if isinstance(error, RefitError) else f"{type(error).__name__}: {error}"
 
 
 class Running(Generic[R]):
@@ -41,55 +143,54 @@ class Running(Generic[R]):
 
 
 class Stage(Generic[R]):
-    """One pipeline stage over a plain function ``fn(rx, ...)``.
+    """One pipeline stage over a plain function ``fn(run, ...)``.
 
-    ``read_only`` stages (they change nothing in the store, or only caches
-    that are safe to write again) retry transient errors; stages that write
-    the store never do: a second attempt could act on a half-written state.
-    A stage that is not ``interruptible`` runs even when the run was asked to
+    ``retried`` stages retry transient errors under the run's stage retry
+    policy (read-only stages, an idempotent upload); stages that change the
+    store never do: a second attempt could act on a half-written state. A
+    stage that is not ``interruptible`` runs even when the run was asked to
     stop (activation, once the engine has loaded the new weights).
     """
 
-    def __init__(self, name: str, fn: Callable[..., R], *, read_only: bool, interruptible: bool = True):
-        self.name, self.fn, self.read_only, self.interruptible = name, fn, read_only, interruptible
+    def __init__(self, name: str, fn: Callable[..., R], *, retried: bool, interruptible: bool = True):
+        self.name, self.fn, self.retried, self.interruptible = name, fn, retried, interruptible
         self.task = task(name=name, task_run_name=name, cache_policy=NO_CACHE, persist_result=False,
                          retries=0)(self._measured)
         functools.update_wrapper(self, fn)
 
-    def _measured(self, rx, *args, **kwargs) -> R:
-        policy = rx.params.stage_retry_policy() if self.read_only else RetryPolicy(1, 0.0)
-
+    def _measured(self, run, *args, **kwargs) -> R:
         def attempt() -> R:
             if self.interruptible:
-                rx.stop.check()
-            with rx.stage(self.name) as record:
-                result = self.fn(rx, *args, **kwargs)
+                run.stop.check()
+            with run.stage(self.name) as record:
+                result = self.fn(run, *args, **kwargs)
                 record.bytes = int(getattr(result, "bytes", 0) or 0)
                 record.detail = str(getattr(result, "summary", "") or "")
                 return result
 
-        return policy.call(f"stage {self.name}", attempt, wait=rx.stop.wait)
+        policy = run.stage_retry_policy() if self.retried else ONCE
+        return policy.call(f"stage {self.name}", attempt, wait=run.stop.wait)
 
-    def __call__(self, rx, *args, **kwargs) -> R:
+    def __call__(self, run, *args, **kwargs) -> R:
         if in_flow_run():
-            return self._task_for(rx)(rx, *args, **kwargs)
-        return self._measured(rx, *args, **kwargs)
+            return self._task_for(run)(run, *args, **kwargs)
+        return self._measured(run, *args, **kwargs)
 
-    def _task_for(self, rx):
+    def _task_for(self, run):
         """The task; named with its attempt when the whole run is being retried, so the UI shows each."""
-        attempt = getattr(rx, "attempt", 1)
+        attempt = getattr(run, "attempt", 1)
         return self.task if attempt == 1 else self.task.with_options(task_run_name=f"{self.name} (attempt {attempt})")
 
-    def start(self, rx, *args, **kwargs) -> Running[R]:
+    def start(self, run, *args, **kwargs) -> Running[R]:
         """Run the stage beside the caller (a submitted task in a flow run, else a thread)."""
         if in_flow_run():
-            future = self._task_for(rx).submit(rx, *args, **kwargs)
+            future = self._task_for(run).submit(run, *args, **kwargs)
             return Running(lambda: future.wait(), lambda: future.result())
         outcome: dict[str, Any] = {}
 
         def body() -> None:
             try:
-                outcome["value"] = self._measured(rx, *args, **kwargs)
+                outcome["value"] = self._measured(run, *args, **kwargs)
             except BaseException as exc:  # handed to whoever asks for the result
                 outcome["error"] = exc
 
@@ -103,35 +204,3 @@ class Stage(Generic[R]):
             return outcome["value"]
 
         return Running(thread.join, result)
-
-
-def stage(name: str, *, read_only: bool) -> Callable[[Callable[..., R]], Stage[R]]:
-    """Decorator form: ``@stage("fetch index", read_only=True)`` over the plain function."""
-    return lambda fn: Stage(name, fn, read_only=read_only)
-
-
-def step(name: str, *, retry: Callable[..., RetryPolicy] | None = None):
-    """A plain function that runs as a Prefect task of ``name`` inside a flow run, plainly outside one.
-
-    ``retry(*args, **kwargs)`` gives the policy that re-runs it after a
-    transient error (from the call's own settings), the same way in both cases.
-    """
-
-    def decorate(fn: Callable[..., R]) -> Callable[..., R]:
-        @functools.wraps(fn)
-        def retried(*args, **kwargs) -> R:
-            if retry is None:
-                return fn(*args, **kwargs)
-            return retry(*args, **kwargs).call(name, lambda: fn(*args, **kwargs))
-
-        as_task = task(name=name, task_run_name=name, cache_policy=NO_CACHE, persist_result=False)(retried)
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs) -> R:
-            return as_task(*args, **kwargs) if in_flow_run() else retried(*args, **kwargs)
-
-        call.fn = fn
-        call.task = as_task
-        return call
-
-    return decorate

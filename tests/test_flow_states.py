@@ -108,3 +108,5 @@ def test_the_publish_flow_records_what_it_published(flow_lab, kind):
     record = json.loads((Path(lab.catalog_dir) / f"{result.version}.json").read_text())
     assert record["payload_format"] == "full_hf_checkpoint" and record["target_digest"] == result.target_digest
     assert result.target_digest == independent_digest(lab.expected(result.version))[1]
+    assert [s["name"] for s in result.stages] == ["plan revision", "encode payload", "upload payload", "write record"]
+    assert all(s["status"] == "ok" for s in result.stages) and result.stages[2]["bytes"] == result.bytes_written
