@@ -132,7 +132,7 @@ def wait_for(version: str, *, catalog: str, model: str, nodes: int | None = None
         time.sleep(min(poll_s, max(0.0, timeout_s - elapsed)))
 
 
-NODE_EVENT_PREFIX = "canonical-refit.node"  # flows.refit.NODE_EVENT, without importing the refit flow here
+NODE_EVENT_PREFIX = "canonical-refit.node"  # flows.node_report.NODE_EVENT, without importing the refit flow here
 
 
 def poisoned_alert(model: str, block_document_id, *, name: str | None = None):

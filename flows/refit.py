@@ -27,35 +27,32 @@ from contextlib import contextmanager  # noqa: E402
 from typing import Iterator  # noqa: E402
 
 from prefect import flow  # noqa: E402
-from prefect.states import Cancelled, Completed, Failed, State  # noqa: E402
+from prefect.states import State  # noqa: E402
 
 from flows.report import (  # noqa: E402
-    FAILED, INTERRUPTED, POISONED, READY, SKIPPED, PrefectReporter, RefitResult, build_result, remember,
+    INTERRUPTED, READY, SKIPPED, PrefectReporter, RefitResult, build_result, remember,
 )
 from storage.cancel import StopToken, current_stop, signals_stop_the_run  # noqa: E402
-from storage.errors import Interrupted, RefitError  # noqa: E402
+from storage.errors import Interrupted  # noqa: E402
 from storage.store.flush import flush_in_background  # noqa: E402
-from storage.store.local_store import UPDATING, LocalStore  # noqa: E402
-from storage.catalog.nodes import NodeRecord, write_node_record  # noqa: E402
-from storage.objects.store import ObjectStore  # noqa: E402
+from storage.store.local_store import UPDATING  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
 from storage.patch.pipeline import Arrivals  # noqa: E402
 from storage.patch.reconstruct import roll_back  # noqa: E402
-from storage.retry import transient  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
 from tasks.activate import ACTIVATE  # noqa: E402
 from tasks.apply_deltas import APPLY_DELTAS  # noqa: E402
 from tasks.fetch_buckets import FETCH_BUCKETS, discard_rejected_artifact  # noqa: E402
 from tasks.fetch_index import FETCH_INDEX  # noqa: E402
-from tasks.install import INSTALL, recover_command  # noqa: E402
+from tasks.install import INSTALL  # noqa: E402
 from tasks.installers import make_installer  # noqa: E402
 from tasks.receiver import Receiver  # noqa: E402
 from tasks.resolve_catalog import RESOLVE_CATALOG  # noqa: E402
 from tasks.seed_checkpoint import SEED_CHECKPOINT  # noqa: E402
-from tasks.stage import in_flow_run  # noqa: E402
 from tasks.verify_digest import VERIFY_DIGEST  # noqa: E402
-from flows.prefect_api import configured_api_url  # noqa: E402
 from flows import heartbeats  # noqa: E402
+from flows.node_report import report_node  # noqa: E402
+from flows.outcome import final_state, next_step, next_step_after_interrupt, outcome_of, retryable_run  # noqa: E402
 
 heartbeats.install()
 
@@ -186,48 +183,6 @@ def run_refit(params: RefitParams, *, installer=None, reporter: PrefectReporter 
     return result
 
 
-NODE_EVENT = "canonical-refit.node.{status}"
-
-
-def report_node(params: RefitParams, result: RefitResult) -> None:
-    """Tell the fleet how this run ended: this node's status record beside the catalog, and an event.
-
-    Best effort: a node whose record cannot be written still did (or did not
-    do) its refit; the run's own outcome is what counts, so this never fails it.
-    """
-    try:
-        store = LocalStore(params.cache_dir, params.model, create=False)
-        active = store.active() if store.exists else None
-    except RefitError:
-        active = None
-    stages = {s["name"]: s["seconds"] for s in result.stages}
-    fetched = next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0)
-    record = NodeRecord(node=params.node, model=params.model, version=active.version if active else None,
-                        digest=active.digest if active else None, status=result.status, target=params.target,
-                        error=result.error, stages=stages, bytes_fetched=fetched,
-                        attempts=max(1, len(result.attempts)), updated_at_unix_ms=int(time.time() * 1000),
-                        launch_files=active.launch_files if active else None)
-    try:
-        write_node_record(ObjectStore.shared(params.storage), params.catalog, record)
-    except RefitError as exc:
-        log.warning("could not write the status record of node %s: %s", params.node, exc)
-    if in_flow_run() or configured_api_url():
-        try:
-            from prefect.events import emit_event
-
-            emit_event(event=NODE_EVENT.format(status=result.status.lower()),
-                       resource={"prefect.resource.id": f"canonical-refit.node.{params.model}.{params.node}",
-                                 "prefect.resource.name": params.node},
-                       payload=record.to_json())
-        except Exception as exc:  # events are a view of the outcome, never part of it
-            log.warning("could not emit the node event of %s: %s", params.node, exc)
-
-
-def retryable_run(result: RefitResult) -> bool:
-    """A failed run is retried only for a transient error (never poisoned, interrupted or bad input)."""
-    return result.status == FAILED and transient(result.exception, rolled_back=True)
-
-
 def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None, stop: StopToken | None,
                 attempt: int) -> RefitResult:
     """One attempt of the runbook, start to end, with everything it held released."""
@@ -253,53 +208,6 @@ def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None
     return result
 
 
-def outcome_of(rx: Receiver, error: BaseException) -> str:
-    """The status a failed run ends in."""
-    try:
-        poisoned = rx.store.exists and rx.store.poisoned() is not None
-    except RefitError:  # a malformed poisoned.json: the receiver must be treated as poisoned
-        poisoned = True
-    if poisoned and not isinstance(error, Interrupted):
-        return POISONED
-    if isinstance(error, (Interrupted, KeyboardInterrupt)) or rx.stop.interrupted:
-        return INTERRUPTED
-    return FAILED
-
-
-def next_step(rx: Receiver, status: str, error: BaseException | None) -> str | None:
-    """What the operator does next, as a command that works as printed."""
-    params = rx.params
-    if status == POISONED:
-        return f"{recover_command(params)}  (re-installs through the installer the node was poisoned with)"
-    if status == INTERRUPTED:
-        return next_step_after_interrupt(params)
-    if status == READY and not rx.params.activate:
-        current = rx.store.current()
-        return (f"python -m flows.refit activate --model {params.model} --cache-dir {params.cache_dir} "
-                f"--version {current.version if current else params.target}")
-    if status == FAILED and error is not None:
-        local = getattr(error, "local_file", None)
-        if isinstance(error, RefitError) and getattr(error, "discarded", False):
-            return (f"the local copy {local} was discarded and is downloaded again by the next run; if the "
-                    "published object itself is wrong, restore it (or publish a corrected revision), then run "
-                    f"the refit again: {refit_command(params)}")
-        return f"fix the cause above, then run the refit again: {refit_command(params)}"
-    return None
-
-
-def next_step_after_interrupt(params: RefitParams) -> str:
-    return f"run the refit again; the store recovers by itself: {refit_command(params)}"
-
-
-def refit_command(params: RefitParams) -> str:
-    """The CLI command that repeats this refit."""
-    parts = ["python -m flows.refit", f"--catalog {params.catalog}", f"--model {params.model}",
-             f"--cache-dir {params.cache_dir}", f"--target {params.target}"]
-    if params.seed_checkpoint:
-        parts.append(f"--seed-checkpoint {params.seed_checkpoint}")
-    return " ".join(parts)
-
-
 @flow(name="refit", flow_run_name="refit {params.model} to {params.target}", validate_parameters=True)
 def refit(params: RefitParams) -> State:
     """Resolve, seed, fetch, apply, verify, install and activate one target revision."""
@@ -307,22 +215,4 @@ def refit(params: RefitParams) -> State:
         result = run_refit(params, reporter=PrefectReporter(params.model))
     return final_state(result)
 
-
-def final_state(result: RefitResult) -> State:
-    """The flow run's final state: Ready, Skipped, Failed, Poisoned or Interrupted, carrying the result."""
-    if result.status == READY:
-        return Completed(name="Ready", message=f"{result.version} {result.target_digest}", data=result)
-    if result.status == SKIPPED:
-        return Completed(name="Skipped", message=result.notes[-1] if result.notes else "", data=result)
-    if result.status == INTERRUPTED:
-        return Cancelled(name="Interrupted", message=result.error or "interrupted", data=_carrier(result))
-    return Failed(name="Poisoned" if result.status == POISONED else "Failed", message=result.error or "",
-                  data=_carrier(result))
-
-
-def _carrier(result: RefitResult) -> RefitError:
-    """Failed states carry an exception (a plain call of the flow raises it), with the result attached."""
-    error = RefitError(result.error or result.status)
-    error.result = result
-    return error
 

@@ -82,7 +82,7 @@ class Lab:
     #
     # A test's world is built with the product's plain runbooks (``run_publish``, ``run_refit``: what the flows
     # run); ``flow=True`` runs the Prefect flow itself, for the tests about the flow. A plain refit's state is
-    # the one the flow would end in (``flows.refit.final_state`` of the same result).
+    # the one the flow would end in (``flows.outcome.final_state`` of the same result).
 
     def params(self, checkpoint: Path, kind: str, **kw) -> PublishParams:
         return PublishParams(catalog=self.catalog, model=self.model, checkpoint=checkpoint, kind=kind,
@@ -126,7 +126,8 @@ class Lab:
 
     def refit(self, *, flow: bool = False, **kw):
         """Refit (the runbook, or with ``flow`` the Prefect flow); returns (final state, RefitResult)."""
-        from flows.refit import final_state, refit, run_refit
+        from flows.outcome import final_state
+        from flows.refit import refit, run_refit
         from flows.report import result_of
 
         if not flow:
