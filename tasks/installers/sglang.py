@@ -21,8 +21,6 @@ install succeeds only when every engine did.
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import logging
 import os
 import pickle
@@ -33,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 from urllib.parse import urlsplit
+
+import httpx
 
 from storage.durable import fsync_dir
 from storage.errors import InstallError, PoisonedError
@@ -76,46 +76,40 @@ class Reply:
 
 
 class EngineClient:
-    """JSON over HTTP to one SGLang server, telling apart 'not sent' from 'sent, no answer'."""
+    """JSON over HTTP (httpx) to one SGLang server, telling apart 'not sent' from 'sent, no answer'.
+
+    Each request gets a fresh connection (no keep-alive): a pooled
+    connection the engine closed meanwhile fails only once the request is
+    written, which would look like "sent, no answer" and poison the node.
+    """
 
     def __init__(self, url: str, timeout_s: float, api_key: str | None = None):
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InstallError(f"engine URL {url!r} is not http(s)://host[:port]", field="engine_urls")
         self.url = url.rstrip("/")
-        self._parts, self._timeout_s, self._api_key = parts, timeout_s, api_key
+        self._timeout_s = timeout_s
+        headers = {"Accept": "application/json"} | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s, trust_env=False,
+                                  limits=httpx.Limits(max_keepalive_connections=0))
 
     def call(self, method: str, path: str, body: dict | None = None) -> Reply:
         """Send one request; never raises."""
-        parts = self._parts
-        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = kind(parts.hostname, parts.port, timeout=self._timeout_s)
-        headers = {"Accept": "application/json"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
         try:
-            try:
-                conn.connect()
-                conn.request(method, parts.path.rstrip("/") + path, body=data, headers=headers)
-            except OSError as exc:  # refused, unreachable, or the request was cut short: nothing to act on
-                return Reply(self.url, False, error=f"could not send {method} {path}: {exc}")
-            try:
-                response = conn.getresponse()
-                raw = response.read()
-            except (OSError, http.client.HTTPException) as exc:
-                reason = "timed out" if isinstance(exc, TimeoutError) else f"dropped ({type(exc).__name__}: {exc})"
-                return Reply(self.url, True, error=f"{method} {path} was sent but {reason} after "
-                                                   f"{self._timeout_s:g}s at most")
-        finally:
-            conn.close()
+            response = self._http.request(method, path, json=body)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError, httpx.WriteTimeout,
+                httpx.LocalProtocolError) as exc:  # refused, unreachable, or cut short: nothing to act on
+            return Reply(self.url, False, error=f"could not send {method} {path}: {exc}")
+        except httpx.HTTPError as exc:  # written, then no (whole) answer: the engine may have acted on it
+            reason = "timed out" if isinstance(exc, httpx.TimeoutException) else \
+                f"dropped ({type(exc).__name__}: {exc})"
+            return Reply(self.url, True, error=f"{method} {path} was sent but {reason} after "
+                                               f"{self._timeout_s:g}s at most")
         try:
-            return Reply(self.url, True, response.status, json.loads(raw))
+            return Reply(self.url, True, response.status_code, response.json())
         except ValueError:
-            return Reply(self.url, True, response.status, error=f"answered a body that is not JSON: {raw[:120]!r}")
+            return Reply(self.url, True, response.status_code,
+                         error=f"answered a body that is not JSON: {response.content[:120]!r}")
 
     def get_json(self, path: str, *, revision: str | None = None) -> dict:
         """A read-only GET that must answer a JSON object; anything else is an ``InstallError``."""
