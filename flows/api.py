@@ -126,7 +126,10 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
     if engine is None and in_flow_run():
         result = result_of(refit_flow(params, return_state=True))  # a subflow of the caller's flow run
     else:
-        result = run_refit(params, installer=engine)
+        from storage.cancel import signals_stop_the_run
+
+        with signals_stop_the_run():  # a Ctrl-C (a notebook's interrupt) stops this refit only
+            result = run_refit(params, installer=engine)
     if check and result.status not in (READY, SKIPPED):
         error = result.exception if isinstance(result.exception, RefitError) else RefitError(
             result.error or result.status)

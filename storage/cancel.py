@@ -1,14 +1,17 @@
 """Cooperative stopping: Ctrl-C, SIGTERM and Prefect cancellation become a flag every loop checks.
 
-A signal handler only sets a flag (``PROCESS.stop``); the code doing the work
+A signal handler only sets a flag (the run's token); the code doing the work
 sees it at its next check point (between blocks, chunks, ranges, tensors and
 stages) and raises ``Interrupted``. Stopping therefore never lands in the
 middle of a durable write or a rename, worker threads are told and joined,
 and the run ends through its normal failure path: fetch cancelled and
 joined, a half-written checkpoint undone or discarded, the lock released.
 
-Tokens form a tree: a run's token stops when the process does; a run may
+Tokens form a tree: a run's work stops when its run's token does; a run may
 stop its own background fetch (another stage failed) without stopping itself.
+A stop belongs to the run it interrupted: each ``signals_stop_the_run`` block
+(one command, one refit of a notebook or a trainer) has a token of its own,
+so a Ctrl-C in one run never interrupts the next.
 """
 
 from __future__ import annotations
@@ -42,21 +45,18 @@ class StopToken:
         """A token that stops with this one, and can also be stopped on its own."""
         return StopToken(self)
 
-    def stop(self, reason: str) -> None:
+    def stop(self, reason: str, *, interrupt: bool = False) -> None:
+        """Stop this token; ``interrupt``: the stop comes from outside the run (a cancellation), so the run
+        ends INTERRUPTED through the fast path, not as a failure."""
         with self._lock:
             if self._event.is_set():
                 return
             self.reason = reason
+            self._interrupt = self._interrupt or interrupt
             self._event.set()
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
-
-    def reset(self) -> None:
-        """Clear a process-wide stop once the interrupted run has ended (a long-lived agent runs on)."""
-        with self._lock:
-            self._event.clear()
-            self.reason = None
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` (from the stopping thread) when this token or a parent stops."""
@@ -122,21 +122,25 @@ class StopToken:
         return self.stopped
 
 
-PROCESS = StopToken(interrupt=True)  # set by the signal handlers below
-# the token a run started in this context stops with: the process's, or one an agent gives each run it executes
-current_stop: ContextVar[StopToken] = ContextVar("canonical_refit_stop", default=PROCESS)
+ROOT = StopToken(interrupt=True)  # the parent of runs started outside any signals block: never stopped itself
+# the token a run started in this context stops with: its signals block's, or one an agent gives each run
+current_stop: ContextVar[StopToken] = ContextVar("canonical_refit_stop", default=ROOT)
+_handling: list[StopToken] = []  # the token of the signals block the main thread is in, if any
 
 
 @contextmanager
-def signals_stop_the_run(token: StopToken = PROCESS) -> Iterator[StopToken]:
-    """While inside, SIGINT and SIGTERM stop ``token`` instead of raising; a second signal raises.
+def signals_stop_the_run() -> Iterator[StopToken]:
+    """While inside, SIGINT and SIGTERM stop this block's own token instead of raising; a second signal raises.
 
-    Only the main thread can install handlers; elsewhere (a thread of a
-    long-lived agent) this is a no-op and cancellation arrives by other means.
+    The token is new for each block (and ``current_stop`` inside it), so an
+    interrupt ends the run in progress only. Only the main thread can install
+    handlers: elsewhere, or inside another such block, this yields the token
+    in force (a flow run in the CLI's worker thread, a run of an agent).
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield token
+    if threading.current_thread() is not threading.main_thread() or _handling:
+        yield current_stop.get()
         return
+    token = StopToken(interrupt=True)
     received: list[int] = []
 
     def handler(signum, _frame) -> None:
@@ -151,8 +155,12 @@ def signals_stop_the_run(token: StopToken = PROCESS) -> Iterator[StopToken]:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
         signal.signal(sig, handler)
+    _handling.append(token)
+    scoped = current_stop.set(token)
     try:
         yield token
     finally:
+        current_stop.reset(scoped)
+        _handling.pop()
         for sig, old in previous.items():
             signal.signal(sig, old)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from storage.store.artifacts import ArtifactCache
-from storage.cancel import PROCESS, StopToken
+from storage.cancel import StopToken, current_stop
 from storage.catalog.records import Catalog
 from storage.durable import remove_tree
 from storage.killpoints import killpoint
@@ -51,7 +51,7 @@ class Receiver:
     def __init__(self, params: RefitParams, *, installer=None,
                  progress: Callable[[str, int, int], None] | None = None, stop: StopToken | None = None):
         self.params = params
-        self.stop = (stop or PROCESS).child()  # stops when the process is interrupted, or on its own
+        self.stop = (stop or current_stop.get()).child()  # stops when its run is interrupted, or on its own
         self.store = LocalStore(params.cache_dir, params.model, quota_bytes=params.quota_bytes, create=False)
         self.artifacts = ArtifactCache(self.store)
         self._objects = ObjectStore.shared(params.storage)
@@ -105,7 +105,10 @@ class Receiver:
             killpoint("lock.exclusive", self.params.target)
             self.store.create()
             # first of all, bring the store back to a trustworthy state (what the lineage may start from)
-            self.recovery = tuple(self.store.recover()) if existed else ()
+            self.recovery = tuple(self.store.recover(workers=self.params.apply_workers, stop=self.stop,
+                                                     progress=self.progress)) if existed else ()
+            for action in self.recovery:  # in every run's notes, a skipped one's too
+                self.ledger.note(f"recovery: {action}")
             yield lock
         finally:
             if not existed and lock.exclusive and self.store.pristine():

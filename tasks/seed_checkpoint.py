@@ -46,9 +46,7 @@ def seed_checkpoint(rx: Receiver, plan: ReplayPlan) -> Baseline:
     snapshot into ``full/{v}`` on first use, verified against revision 0's
     format and target digest before the store trusts it.
     """
-    recovery = rx.recovery  # done when the preparation lock was taken
-    for action in recovery:
-        rx.ledger.note(f"recovery: {action}")
+    recovery = rx.recovery  # done (and noted) when the preparation lock was taken
     root = plan.root
     keep_launch_files(rx, root)
     inventory = rx.store.inventory()

@@ -15,6 +15,7 @@ from pathlib import Path
 import crash_support as cs
 from lab import independent_digest
 from storage.store.flush import wait_for_flushes
+from storage.store.local_store import LocalStore
 
 
 def _verified(lab, version: str) -> dict:
@@ -25,6 +26,7 @@ def _as_if_power_failed_before_the_flush(lab, version: str) -> None:
     path = lab.store_root / "verified" / f"{version}.json"
     record = json.loads(path.read_text())
     path.write_text(json.dumps(record | {"flushed": False}))
+    (lab.store_root / "flushed" / f"{version}.json").unlink(missing_ok=True)  # the mark never came
 
 
 def _flip_a_byte_keeping_identity(folder: Path) -> None:
@@ -45,7 +47,34 @@ def test_a_patched_checkpoint_is_ready_before_its_pages_are_on_disk_then_marked_
     assert result.status == "READY"
     wait_for_flushes(60)
     record = _verified(lab, "r1")
-    assert record["boot_id"] == "boot-a" and record["flushed"] is True  # written back after READY
+    assert record["boot_id"] == "boot-a" and record["flushed"] is False  # READY before the disk had it ...
+    mark = json.loads((lab.store_root / "flushed" / "r1.json").read_text())
+    assert mark["files"] == record["files"]  # ... and marked once written back
+    assert LocalStore(lab.cache, lab.model).verified("r1").flushed is True
+
+
+def test_the_flushed_mark_is_recorded_while_another_process_holds_the_store(flow_lab, monkeypatch):
+    """The write-back's mark needs no lock: a busy store (another run preparing) does not lose it."""
+    lab = flow_lab
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    for kind in ("initial", "delta"):
+        lab.publish(kind)
+    store = LocalStore(lab.cache, lab.model)
+    result = lab.run(target="r1")
+    wait_for_flushes(60)
+    (lab.store_root / "flushed" / "r1.json").unlink()
+    holder = store.exclusive(5, "another refit").acquire()  # as a second receiver preparing would
+    try:
+        from storage.store.flush import flush_in_background
+
+        record = json.loads((lab.store_root / "verified" / "r1.json").read_text())
+        thread = flush_in_background(store, store.verified("r1", check_files=False))
+        thread.join(60)
+        assert not thread.is_alive() and record["flushed"] is False
+        assert (lab.store_root / "flushed" / "r1.json").is_file()
+    finally:
+        holder.release()
+    assert result.status == "READY" and store.verified("r1").flushed is True
 
 
 def test_an_unflushed_checkpoint_changed_across_a_restart_is_rebuilt_never_installed(flow_lab, monkeypatch, tmp_path):

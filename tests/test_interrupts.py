@@ -219,3 +219,36 @@ def test_the_local_server_outlives_a_killed_command_serves_the_next_and_stops_on
     assert not record.alive(), "the local server did not stop once unused"
     shown = subprocess.run(status, cwd=ROOT, env=env, capture_output=True, text=True, timeout=BOUND_S)
     assert shown.returncode == 1 and "no local Prefect server" in shown.stdout
+
+
+class _CtrlCDuringInstall:
+    """An engine stand-in whose install is interrupted by the user's Ctrl-C (SIGINT to this process)."""
+
+    name, engine_urls = "none", ()
+
+    def install(self, request):
+        from tasks.installers.base import InstallOutcome
+
+        os.kill(os.getpid(), signal.SIGINT)  # the handler only sets the run's stop token
+        return InstallOutcome(f"{request.version} loaded while the user pressed Ctrl-C")
+
+    def is_current(self, identity) -> bool:
+        return False
+
+    def observe(self):
+        return ()
+
+
+def test_a_ctrl_c_stops_only_the_run_in_progress(world, tmp_path):
+    """A trainer or a notebook calling ``api.refit`` again after one interrupt gets a normal run."""
+    from flows import api
+
+    lab = world
+    common = dict(catalog=lab.catalog, model=lab.model, cache_dir=tmp_path / "cache",
+                  seed_checkpoint=lab.launch, check=False)
+    first = api.refit(target="r1", installer=_CtrlCDuringInstall(), **common)
+    assert first.status in ("READY", "INTERRUPTED")  # the engine had the weights: activation is not skipped
+    second = api.refit(target="r2", **common)
+    assert second.status == "READY", second.error
+    assert second.target_digest == independent_digest(lab.expected("r2"))[1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers were put back

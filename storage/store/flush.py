@@ -52,16 +52,7 @@ def _flush(store: LocalStore, record: VerifiedCheckpoint, stop: StopToken) -> No
         fsync_files(folder, sorted(record.files), stop=stop)
         if stop.stopped:
             return
-        lock = store.shared(0.001, "flush")
-        try:
-            lock.acquire()
-        except Exception:  # a preparation holds the store: it will decide what this checkpoint is
-            return
-        try:
-            marked = store.mark_flushed(record)
-        finally:
-            lock.release()
-        if marked:
+        if store.mark_flushed(record):  # lock-free: recorded even while another run holds the store
             log.info("%s is on disk (%.1fs after it was READY)", record.version, time.perf_counter() - started)
     except OSError as exc:  # the files moved on (a newer refit took them over): nothing to record
         log.debug("flush of %s stopped: %s", record.version, exc)

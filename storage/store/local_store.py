@@ -47,13 +47,14 @@ import logging
 import os
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Callable
 
 from storage.store import launch_files
 from storage.durable import (
-    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, remove_tree,
-    temp_name, tree_size,
+    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, read_json_file,
+    remove_tree, temp_name, tree_size,
 )
-from storage.errors import InstallError, RefitError, StoreError
+from storage.errors import Cancelled, InstallError, Interrupted, RefitError, StoreError
 from storage.killpoints import killpoint
 from storage.store.locks import StoreLock
 from storage.store.records import (  # noqa: F401  (the records are part of the store's interface)
@@ -83,7 +84,7 @@ class LocalStore:
 
     def create(self) -> None:
         """Make the store's folders (the first run on a host does this under its lock)."""
-        for sub in ("full", "deltas", "materialized", "chains", "verified", "catalog", "tmp"):
+        for sub in ("full", "deltas", "materialized", "chains", "verified", "flushed", "catalog", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     @property
@@ -180,6 +181,8 @@ class LocalStore:
         record = read_record(VerifiedCheckpoint, self._verified_path(version))
         if record is None:
             return None
+        if not record.flushed and self._flushed_mark(version) == record.files:
+            record = replace(record, flushed=True)
         if check_files and (not record.trusted or not self.files_match(record.path, record.files)):
             return None
         return record
@@ -248,6 +251,7 @@ class LocalStore:
     def commit_ready(self, record: VerifiedCheckpoint, chain: Chain) -> None:
         """UPDATING → READY(v): the verified record and how to rebuild it, then the state, all durable."""
         try:
+            self._flushed_path(record.version).unlink(missing_ok=True)  # it vouched for an older record's files
             atomic_write_json(self._verified_path(record.version), asdict(record))
             atomic_write_json(self._chain_path(chain.version),
                               {"version": chain.version, "full_version": chain.full_version,
@@ -261,15 +265,29 @@ class LocalStore:
     def mark_flushed(self, record: VerifiedCheckpoint) -> bool:
         """Note that ``record``'s bytes reached the disk (after an fsync of its files); False if it changed since.
 
-        Only strengthens trust, so it may run under the shared lock (a background flush).
+        Needs no lock, so a background flush never waits for (or gives up on)
+        a busy store: the mark, ``flushed/{v}.json``, names the files'
+        identity it vouches for and counts only while the verified record names
+        the same one; a takeover that patches the files changes their identity,
+        and a new record of the version drops the old mark.
         """
         current = read_record(VerifiedCheckpoint, self._verified_path(record.version))
         if current is None or current.flushed or (current.path, current.files) != (record.path, record.files):
             return False
         if not self.files_match(current.path, current.files):
             return False
-        atomic_write_json(self._verified_path(current.version), asdict(replace(current, flushed=True)))
+        atomic_write_json(self._flushed_path(current.version), {"files": current.files})
         return True
+
+    def _flushed_path(self, version: str) -> Path:
+        return self.root / "flushed" / f"{version}.json"
+
+    def _flushed_mark(self, version: str) -> dict | None:
+        try:
+            raw = read_json_file(self._flushed_path(version))
+        except ValueError:  # a torn mark: it vouches for nothing
+            return None
+        return raw.get("files") if isinstance(raw, dict) else None
 
     def point_at(self, record: VerifiedCheckpoint) -> None:
         """READY → READY(v): make an intact verified checkpoint the current one (no bytes change)."""
@@ -307,6 +325,7 @@ class LocalStore:
 
     def _forget(self, version: str) -> None:
         path = self._verified_path(version)
+        self._flushed_path(version).unlink(missing_ok=True)
         if path.exists():
             path.unlink()
             fsync_dir(path.parent)
@@ -345,7 +364,8 @@ class LocalStore:
 
     # -- recovery -----------------------------------------------------------------------------
 
-    def recover(self) -> list[str]:
+    def recover(self, *, workers: int = 4, stop=None,
+                progress: Callable[[str, int], Callable[[int], None]] | None = None) -> list[str]:
         """Bring the store back to a trustworthy state; call under the exclusive lock, nothing else running.
 
         A checkpoint left ``UPDATING`` is discarded (never trusted), verified
@@ -355,6 +375,9 @@ class LocalStore:
         are not, so a recovery can never pull a file from under a live write
         of its own run. The state then points at the best verified checkpoint
         still intact. Returns what was done, in words, for the run's log.
+        Re-hashing a checkpoint after a restart uses ``workers`` threads,
+        stops with ``stop`` (the record stays untrusted: the next run re-hashes
+        it) and reports to ``progress(label, total)``.
         """
         actions: list[str] = []
         self.create()
@@ -375,7 +398,7 @@ class LocalStore:
         for path in sorted((self.root / "verified").glob("*.json")):
             record = self.verified(path.stem, check_files=False)
             if record is not None and not record.trusted and self.files_match(record.path, record.files):
-                actions.append(self._reverify(record))
+                actions.append(self._reverify(record, workers=workers, stop=stop, progress=progress))
             if self.verified(path.stem) is None:
                 self._forget(path.stem)
                 actions.append(f"forgot {path.stem}: its files changed outside the receiver or are missing")
@@ -388,14 +411,18 @@ class LocalStore:
         self._repoint_state(state)
         return actions
 
-    def _reverify(self, record: VerifiedCheckpoint) -> str:
+    def _reverify(self, record: VerifiedCheckpoint, *, workers: int, stop, progress) -> str:
         """A checkpoint verified before a restart, never known to be on disk: re-hash it before trusting it."""
         from storage.format.checkpoint import CheckpointIndex
 
         folder = self.absolute(record.path)
         try:
             index = CheckpointIndex.open(folder, revision=record.version)
-            same = index.checksums(record.checksum_format) == record.checksums
+            report = progress(f"reverify {record.version}", index.nbytes) if progress else None
+            same = index.checksums(record.checksum_format, workers=workers, progress=report,
+                                   stop=stop) == record.checksums
+        except (Interrupted, Cancelled):
+            raise  # stopped: still untrusted, the next run re-hashes it
         except (OSError, ValueError, RefitError) as exc:
             same = False
             log.warning("could not re-verify %s after a restart: %s", record.version, exc)
