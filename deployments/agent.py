@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from storage.cancel import PROCESS, StopToken, current_stop
+from storage.cancel import StopToken, current_stop
 
 log = logging.getLogger("canonical_refit.agent")
 POLL_S = 10.0  # default seconds between polls (serve passes ServeSettings.poll_s)
@@ -127,7 +127,7 @@ class NodeAgent:
         self.poll_s = poll_s
         self.cancel_poll_s = cancel_poll_s
         self.start_now = start_now  # a deployment to run once at start-up (the node catches up at once)
-        self.stop = stop or PROCESS
+        self.stop = stop or current_stop.get()
         self.wake_on_events = wake_on_events
         self.stats = AgentStats()
         self.identity = agent_identity()
@@ -338,7 +338,7 @@ class NodeAgent:
                 continue
             if state is not None and state.is_cancelling():
                 log.warning("flow run %s is being cancelled: stopping at the next safe point", run_id)
-                run_stop.stop("cancelled from Prefect")
+                run_stop.stop("cancelled from Prefect", interrupt=True)  # ends Interrupted, the fast path
                 return
 
 
@@ -348,10 +348,10 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
     """Run a ``NodeAgent`` in a worker thread while the main thread owns the signals."""
     from storage.cancel import signals_stop_the_run
 
-    agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
-                      wake_on_events=wake_on_events)
     outcome: dict = {}
-    with signals_stop_the_run():
+    with signals_stop_the_run() as stop:
+        agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
+                          wake_on_events=wake_on_events, stop=stop)
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, args=(lambda: outcome.update(stats=agent.run()),),
                                   name="node-agent", daemon=True)

@@ -37,12 +37,13 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import logging  # noqa: E402
 import time  # noqa: E402
 import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
 
-from pydantic import Field, ValidationError  # noqa: E402
+from pydantic import Field, ValidationError, field_validator  # noqa: E402
 from pydantic_settings import BaseSettings, SettingsConfigDict  # noqa: E402
 
 from flows.options import Flag, add_flags, build, given  # noqa: E402
@@ -59,8 +60,25 @@ class ServeSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_SERVE_", extra="ignore")
 
     interval_s: float = Field(3600.0, gt=0, description="seconds between scheduled refits to 'latest'")
-    name_suffix: str = Field("", pattern=r"^(-[a-z0-9][a-z0-9-]{0,62})?$",
-                             description="appended to each deployment name, e.g. '-gpu3' (one set per host)")
+    name_suffix: str | None = Field(
+        None, description="appended to each deployment name (default: '-' and the node name, so each node has its "
+                          "own deployments); 'gpu3' and '-gpu3' both give 'refit-latest-gpu3'; '' for none")
+
+    @field_validator("name_suffix")
+    @classmethod
+    def _suffix_form(cls, value: str | None) -> str | None:
+        if not value:
+            return value
+        value = value if value.startswith("-") else f"-{value}"
+        if not re.match(r"^-[a-z0-9][a-z0-9-]{0,62}$", value):
+            raise ValueError(f"name suffix {value!r} must be lowercase letters, digits and dashes")
+        return value
+
+    def suffix_for(self, node: str) -> str:
+        """The suffix in force: the one given, or one derived from the node name."""
+        if self.name_suffix is not None:
+            return self.name_suffix
+        return "-" + (re.sub(r"[^a-z0-9]+", "-", node.lower()).strip("-")[:62] or "node")
     poll_s: float = Field(10.0, ge=0.05, le=600,
                           description="seconds between the agent's queries for flow runs to start (each is one API "
                                       "request while idle); triggered runs start at once anyway, on their "
@@ -105,7 +123,7 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
     from flows.publish import publish
     from flows.refit import refit
 
-    suffix = settings.name_suffix
+    suffix = settings.suffix_for(params.node)
     latest = refit.to_deployment(
         f"refit-latest{suffix}",
         interval=timedelta(seconds=settings.interval_s),
@@ -218,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
              "flow runs in this process, one at a time", params.node, ", ".join(d.name for d in deployments),
              params.model, params.catalog, url, settings.interval_s, EVENT)
     stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, poll_s=settings.poll_s,
-                             start_now=f"refit-latest{settings.name_suffix}", wake_on_events=settings.wake_on_events)
+                             start_now=f"refit-latest{settings.suffix_for(params.node)}",
+                             wake_on_events=settings.wake_on_events)
     log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,
              time.monotonic() - stats.started_at)
     return 0
