@@ -27,9 +27,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks import _throttle
 from benchmarks._meter import RssSampler, counters, delta, max_rss_bytes, ru_maxrss_bytes, union_s
 from benchmarks._scratch import clone_store, copy_checkpoint
+from testbed import throttle
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA_STAGES = ("fetch buckets", "apply deltas", "verify digest")
@@ -145,7 +145,7 @@ def _refit_run(mode: str, params, target: str, metered, sampler) -> dict:
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     mode = spec["mode"]
-    _throttle.configure(spec.get("throttle_bytes_per_s") or 0)
+    throttle.configure(spec.get("throttle_bytes_per_s") or 0)
     t0 = time.perf_counter()
     metered = None
     if mode in ("flow", "plain"):
@@ -181,7 +181,7 @@ def main(argv: list[str]) -> int:
             runs.append(out)
     result = {"mode": mode, "import_s": round(import_s, 3), "runs": runs,
               "max_rss_bytes": max_rss_bytes(), "ru_maxrss_bytes": ru_maxrss_bytes(), **sampler.result(),
-              "counters": delta(counters(), total), "throttled_bytes": _throttle.LINK.bytes}
+              "counters": delta(counters(), total), "throttled_bytes": throttle.LINK.bytes}
     Path(argv[1]).write_text(json.dumps(result, indent=1))
     return 0
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from benchmarks._prefect import prefect_env
+from testbed.prefect_server import prefect_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@
 Starts a Prefect server on a fresh PostgreSQL database (dropped after), moto
 S3, and N ``python -m deployments.serve --node nodeK`` agents, each with its
 own store. Each node reaches the API through a counting tap of its own
-(``benchmarks/_fleetlab.py``: a TCP proxy that parses what the node sends —
+(``testbed/api_tap.py``: a TCP proxy that parses what the node sends —
 HTTP requests and websocket event messages — without changing the agent) and
 S3 through a ``FaultProxy`` of its own (no faults: it logs every request with
 its bytes). The trainer publishes from this process (``run_publish``; the
@@ -30,7 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._fleetlab import FleetLab, bench_main, load_average, machine, saturate, summarize_waves
+from benchmarks._bench import bench_main
+from testbed.fleet import FleetLab, saturate, summarize_waves
+from testbed.processes import load_average, machine
 
 SCHEMA = "canonical-refit.benchmark.fleet.v1"
 

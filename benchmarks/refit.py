@@ -40,16 +40,17 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import _render, _report, _throttle
+from benchmarks import _render, _report
 from benchmarks._baseline import fetch_revision
 from benchmarks._jobs import Jobs
 from benchmarks._meter import load_average
 from benchmarks._model import build, parse_share, share_label, sweep_steps
-from benchmarks._prefect import PrefectServer
 from benchmarks._rates import (apply_in_place, apply_sweep, decode_rates, decode_threads, kernel_rates,
                                publish_rates, sweep_manifest, xor_reference)
 from benchmarks._scratch import DiskMeter, clone_store
 from storage.format.checkpoint import CheckpointIndex
+from testbed import throttle
+from testbed.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -246,7 +247,7 @@ class Bench:
         throttled_url, rate = None, a.bandwidth_mb_s * 1e6
         if rate > 0:
             with self.step(f"rate-limited store at {a.bandwidth_mb_s:g} MB/s"):
-                throttled_url = _throttle.mirror_catalog(ws.catalog_dir, ws.root / "catalog-throttled")
+                throttled_url = throttle.mirror_catalog(ws.catalog_dir, ws.root / "catalog-throttled")
                 r["fetch_only"] = self._fetch_only(throttled_url, rate)
                 refits["throttled"] = jobs.plain("throttled", ["r2"], restore=True, catalog=throttled_url,
                                                  throttle=rate)
@@ -303,11 +304,11 @@ class Bench:
     def _fetch_only(self, url: str, rate: float) -> dict:
         """The revision's files downloaded alone through the rate-limited store (same concurrency)."""
         dest = self.ws.scratch / "fetch-only"
-        _throttle.configure(rate)
+        throttle.configure(rate)
         try:
             return fetch_revision(url, self.ws.model, "r2", dest, concurrency=self.args.fetch_workers)[1]
         finally:
-            _throttle.configure(0)
+            throttle.configure(0)
             shutil.rmtree(dest, ignore_errors=True)
 
     def _prefect(self, throttled_url: str | None, rate: float) -> None:
@@ -325,7 +326,7 @@ class Bench:
                                           throttle=rate)
                 else:
                     with PrefectServer(ws.root / "prefect-server") as server:
-                        data = self.jobs.flow("prefect-server", ws.root / "prefect-client", api_url=server.api_url,
+                        data = self.jobs.flow("prefect-server", ws.root / "prefect-client", api_url=server.url,
                                               runs=runs, throttle=rate)
                     data["server_startup_s"] = round(server.startup_s, 2)
                 r["prefect"][mode] = data

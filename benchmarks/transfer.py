@@ -2,7 +2,7 @@
 
 Real S3 serves one connection at roughly 100 MB/s and adds a few ms to every
 request, so a node reaches line rate only over many connections. This
-benchmark puts ``benchmarks._s3proxy`` in front of an S3 server, capping every
+benchmark puts ``testbed.s3proxy`` in front of an S3 server, capping every
 connection (default 100 MB/s) and delaying every response (default 5 ms), and
 measures ``ObjectStore`` with its default settings:
 
@@ -344,7 +344,7 @@ class Bench:
     def proxy(self, cap_mb_s: float, latency_ms: float) -> str:
         key = (cap_mb_s, latency_ms)
         if key not in self.proxies:
-            self.proxies[key] = _Process(["-m", "benchmarks._s3proxy", self.server.url, "--bandwidth-mb-s",
+            self.proxies[key] = _Process(["-m", "testbed.s3proxy", self.server.url, "--bandwidth-mb-s",
                                           str(cap_mb_s), "--latency-ms", str(latency_ms)])
         return self.proxies[key].url
 

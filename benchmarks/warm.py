@@ -5,7 +5,7 @@
     python -m benchmarks.warm --quick
 
 One node agent (``python -m deployments.serve``, run through
-``benchmarks._fleetlab agent``, which only records each stage's start and
+``testbed.nodes agent``, which only records each stage's start and
 end), moto S3 behind a logging proxy, and a trainer in this process that
 publishes with ``flows.publish.run_publish`` (so the trainer's own start-up
 is not counted; its event goes to the server). For each publication:
@@ -29,8 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._fleetlab import FleetLab, bench_main, load_average, machine, percentile
+from benchmarks._bench import bench_main
 from benchmarks._meter import union_s
+from testbed.fleet import FleetLab, percentile
+from testbed.processes import load_average, machine
 
 SCHEMA = "canonical-refit.benchmark.warm.v1"
 GOALS = {"publish_to_ready_s": 2.0, "overhead_s": 0.5}
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
 
 
 def _runs(client, lab: FleetLab) -> list:
-    from benchmarks._fleetlab import runs_of
+    from testbed.prefect_server import runs_of
 
     return runs_of(client, [lab.ids["warm1"]["on_publish"]])
 

@@ -1,8 +1,10 @@
-"""A real ``prefect server`` and the helpers the deployment tests drive it with.
+"""The helpers the deployment tests drive a real ``prefect server`` with.
 
-The server runs on 127.0.0.1 with its own ``PREFECT_HOME``; every process the
-tests start gets ``PREFECT_API_URL`` of that server explicitly, and every one
-is stopped by its PID with a bounded wait.
+The server is ``testbed.prefect_server.PrefectServer`` on SQLite, on
+127.0.0.1 with its own ``PREFECT_HOME``; every process the tests start gets
+``PREFECT_API_URL`` of that server explicitly (``PrefectServer.client_env``),
+and every one is stopped by its process group with a bounded wait
+(``testbed.processes.stop_group``).
 """
 
 from __future__ import annotations
@@ -12,22 +14,8 @@ import subprocess
 from pathlib import Path
 from uuid import UUID
 
-from benchmarks._fleetlab import (  # noqa: F401  (re-exported to the deployment tests)
-    FINAL_STATE_TYPES, PREFECT, PYTHON, ROOT, free_port, quiet_env, tail, target_of, wait_until,
-)
-from benchmarks._fleetlab import PrefectServer as LabServer
-from benchmarks._fleetlab import _stop_group as stop_process  # noqa: F401  (SIGTERM, bounded wait, SIGKILL to the group)
-
-
-class PrefectServer(LabServer):
-    """The lab's ``prefect server``, on SQLite in its own PREFECT_HOME (one module's tests)."""
-
-    def __init__(self, root: Path):
-        super().__init__(root, None)
-
-    def env(self, home: Path, **extra: str) -> dict[str, str]:
-        """Environment of a client process of this server (its own PREFECT_HOME)."""
-        return self.client_env(home, **extra)
+from testbed.prefect_server import FINAL_STATE_TYPES, PrefectServer, target_of
+from testbed.processes import PYTHON, ROOT, wait_until
 
 
 def run(cmd: list[str], env: dict[str, str], *, timeout_s: float = 120.0, cwd: Path = ROOT) -> str:

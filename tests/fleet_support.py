@@ -1,7 +1,7 @@
 """A fleet for the tests: one Prefect server on PostgreSQL, node agents as processes, the trainer's commands.
 
-The machinery (server, database, agents) is ``benchmarks/_fleetlab.py``,
-shared with the fleet benchmarks; this adds what the test drives: the
+The machinery (server, database, agents, trainer) is ``testbed/``, shared
+with the fleet benchmarks; this adds what the test drives: the
 trainer publishing with ``python -m flows.publish``, the fleet view and
 ``wait`` as the trainer runs them (``python -m flows.fleet``), and reading
 each node's runs back from the server. Every wait is bounded and fails with
@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._fleetlab import (
-    PYTHON, ROOT, NodeProcess, Postgres, PrefectServer, Trainer, deployment_ids, is_final, runs_of, target_of,
-    wait_until,
-)
 from flows.synthetic import ModelShape
 from s3_support import aws_environment
+from testbed.nodes import NodeProcess
+from testbed.postgres import Postgres
+from testbed.prefect_server import PrefectServer, deployment_ids, is_final, runs_of, target_of
+from testbed.processes import PYTHON, ROOT, wait_until
+from testbed.trainer import Trainer
 
 MODEL = "lab/fleet"
 # 1.8 MB of bf16 weights: a dense step published with --bucket-mib 1 is two buckets

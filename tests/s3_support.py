@@ -1,13 +1,14 @@
 """A real S3 server for the tests, and a fault-injecting proxy to put in front of it.
 
-``MotoServer`` runs moto's standalone S3 server (``python -m moto.server``, the
-``moto_server`` entry point of ``moto[server]``) as a subprocess bound to
-127.0.0.1 at a free port, and stops it by PID. moto enforces
-``If-None-Match: *`` (412), which is what publication semantics need.
+The ``s3`` session fixture runs moto's standalone S3 server (``MotoServer``
+from ``testbed/s3.py``: ``python -m moto.server`` as a subprocess bound to
+127.0.0.1 at a free port, stopped by its process group) with the test bucket.
+moto enforces ``If-None-Match: *`` (412), which is what publication semantics
+need.
 
-``FaultProxy`` (from ``benchmarks/_s3proxy.py``, shared with the transfer
-benchmark) is an HTTP/1.1 proxy on 127.0.0.1 that forwards to the server and
-injects bounded faults (503, 500, resets, stalls, truncated bodies, 403/404,
+``FaultProxy`` (from ``testbed/s3proxy.py``, shared with the benchmarks) is an
+HTTP/1.1 proxy on 127.0.0.1 that forwards to the server and injects bounded
+faults (503, 500, resets, stalls, truncated bodies, 403/404,
 stripped conditional headers), can cap each connection's bandwidth and delay
 every response like real S3, and logs every request (Range, body bytes sent,
 start and end times) for assertions.
@@ -20,11 +21,8 @@ upload in a process a test can SIGKILL mid-transfer.
 
 from __future__ import annotations
 
-import http.client
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 import uuid
@@ -36,20 +34,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script, too
 
-from benchmarks._s3proxy import FAULT_KINDS, FaultProxy, Faults, Request, peak_open  # noqa: E402,F401
 from storage.settings import ObjectStoreSettings  # noqa: E402
+from testbed.s3 import MotoServer  # noqa: E402
+from testbed.s3proxy import FaultProxy, Faults  # noqa: E402
 
 BUCKET = "refit-e2e"
 ACCESS_KEY_ID = "canonical-refit-test"
 SECRET_ACCESS_KEY = "canonical-refit-test-secret"
 REGION = "us-east-1"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def aws_environment(endpoint_url: str | None = None) -> dict[str, str]:
@@ -59,79 +51,6 @@ def aws_environment(endpoint_url: str | None = None) -> dict[str, str]:
     if endpoint_url:
         env["AWS_ENDPOINT_URL_S3"] = endpoint_url
     return env
-
-
-class MotoServer:
-    """moto's S3 server in a subprocess on 127.0.0.1; ``stop`` ends it by PID."""
-
-    def __init__(self, log_path: Path):
-        self.log_path = Path(log_path)
-        self.port: int | None = None
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> "MotoServer":
-        """Start the server and wait (bounded) until it answers HTTP."""
-        for _ in range(3):  # the port may be taken between free_port() and the bind
-            self.port = free_port()
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(
-                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env={k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-                )
-            if self._wait_ready(timeout_s):
-                return self
-            self.stop()
-        raise RuntimeError(f"moto server did not start; log: {self._log_tail()}")
-
-    def _wait_ready(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/")
-                conn.getresponse().read()
-                conn.close()
-                return True
-            except OSError:
-                time.sleep(0.1)
-        return False
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM the server's PID, SIGKILL it if it has not exited within ``timeout_s``."""
-        proc, self.process = self.process, None
-        if proc is None or proc.poll() is not None:
-            return
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout_s)
-
-    def _log_tail(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-2000:]
-        except OSError:
-            return "(no log)"
-
-    def create_bucket(self, name: str) -> None:
-        """CreateBucket with a plain path-style PUT (moto checks no signature)."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            conn.request("PUT", f"/{name}", body=b"")
-            response = conn.getresponse()
-            body = response.read()
-        finally:
-            conn.close()
-        if response.status not in (200, 409):
-            raise RuntimeError(f"CreateBucket {name}: {response.status} {body[:300]!r}")
 
 
 # -- the session fixture ---------------------------------------------------------------------------
@@ -174,10 +93,9 @@ def s3(tmp_path_factory) -> Iterator[S3]:
     endpoint from ``ObjectStoreSettings`` (or, in the receiver-process test,
     from the environment it is started with).
     """
-    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log").start()
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log", BUCKET).start()
     saved = {k: os.environ.get(k) for k in aws_environment()}
     try:
-        server.create_bucket(BUCKET)
         os.environ.update(aws_environment())
         yield S3(server)
     finally:
@@ -258,9 +176,8 @@ def bench_reads(mib: int = 16, files: int = 8, concurrency: int = 4) -> None:
     from storage.objects.store import ObjectStore
 
     with tempfile.TemporaryDirectory(prefix="s3-bench-") as tmp:
-        server = MotoServer(Path(tmp) / "moto.log").start()
+        server = MotoServer(Path(tmp) / "moto.log", BUCKET).start()
         try:
-            server.create_bucket(BUCKET)
             os.environ.update(aws_environment())
             store = ObjectStore(S3(server).settings(read_timeout_s=60))
             size = mib * 2**20

@@ -1,10 +1,18 @@
-"""The refit benchmark runs end to end at a tiny size and writes its JSON and plot (no timing assertions)."""
+"""The refit benchmark runs end to end at a tiny size and writes its JSON and plot (no timing assertions).
+
+It runs as a command (``python -m benchmarks.refit`` from the repository
+root), the way it is documented: the tests import no benchmark module.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-from benchmarks.refit import main
+ROOT = Path(__file__).resolve().parents[1]
 
 SECTIONS = ("machine", "config", "model", "revisions", "kernels", "decode", "sweep", "decode_dense", "apply_threads",
             "apply_disk",
@@ -12,18 +20,27 @@ SECTIONS = ("machine", "config", "model", "revisions", "kernels", "decode", "swe
             "prefect", "targets", "load", "disk", "errors")
 
 
-def test_tiny_benchmark_writes_every_section(tmp_path, capsys):
+def run_benchmark(module: str, *args: str, timeout_s: float = 800) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS...`` from the repository root (which is on its PYTHONPATH); it must exit 0."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=os.environ | {"PYTHONPATH": path},
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, f"{module} exited with {done.returncode}:\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-3000:]}"
+    return done
+
+
+def test_tiny_benchmark_writes_every_section(tmp_path):
     out = tmp_path / "result.json"
-    code = main(["--size-mb", "4", "--catch-up", "2", "--threads", "1,2", "--apply-workers", "2",
-                 "--prefect", "none", "--bandwidth-mb-s", "400", "--kernel-mb", "2", "--repeat", "1",
-                 "--workdir", str(tmp_path), "--json", str(out)])
-    assert code == 0
+    done = run_benchmark("benchmarks.refit", "--size-mb", "4", "--catch-up", "2", "--threads", "1,2",
+                         "--apply-workers", "2", "--prefect", "none", "--bandwidth-mb-s", "400", "--kernel-mb", "2",
+                         "--repeat", "1", "--workdir", str(tmp_path), "--json", str(out))
     result = json.loads(out.read_text())
     assert set(SECTIONS) <= set(result)
     assert result["schema"] == "canonical-refit.benchmark.refit.v1"
     assert result["errors"] == []
     assert (tmp_path / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "targets (measured / bound)" in capsys.readouterr().out
+    assert "targets (measured / bound)" in done.stdout
 
     # every refit the benchmark timed installed the exact revision it asked for
     refits = result["refits"]

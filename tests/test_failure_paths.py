@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from s3_support import Faults, s3  # noqa: F401  (s3 is a fixture)
+from s3_support import s3  # noqa: F401  (s3 is a fixture)
 
 from flows.synthetic import ModelShape
 from lab import Lab, independent_digest
@@ -30,6 +30,7 @@ from storage.store.local_store import LocalStore
 from storage.objects.store import ObjectStore
 from storage.patch.patcher import PatchStep, StaticPlans, TensorPlan, apply_patches
 from storage.urls import join_url, parent_url
+from testbed.s3proxy import Faults
 
 SHAPE = ModelShape(vocab=2048, hidden=128, intermediate=352, layers=4, shards=2)  # ~2.7 MB: 3 buckets of 1 MiB
 

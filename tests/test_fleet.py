@@ -17,12 +17,14 @@ from itertools import pairwise
 
 import pytest
 
-from benchmarks._fleetlab import is_final, target_of, wait_until
 from fleet_support import (  # noqa: F401 - fleet_server is a fixture
     MODEL, SHAPE, Fleet, Inbox, create_poisoned_alert, fleet_server, spans,
 )
-from s3_support import Faults, s3  # noqa: F401  (s3 is a fixture)
+from s3_support import s3  # noqa: F401  (s3 is a fixture)
 from sglang_mock import MockSGLang
+from testbed.prefect_server import is_final, target_of
+from testbed.processes import wait_until
+from testbed.s3proxy import Faults
 
 pytestmark = pytest.mark.server
 NODES = ("node1", "node2", "node3")

@@ -2,10 +2,13 @@
 
 ``storage`` (formats, object storage, the local store) knows nothing of the
 pipeline; ``tasks`` (the stages) build on ``storage``; ``flows`` (the flows
-and their command lines) compose the stages; ``deployments`` and
-``benchmarks`` sit on top, and nothing in the product imports ``tests``.
-Every import counts, including those inside functions: a lazy import that
-goes up is still a cycle in the design.
+and their command lines) compose the stages; ``deployments`` sits on top of
+the product. ``testbed`` (the lab infrastructure) may import the product,
+which never imports it; ``benchmarks`` may import both. Nothing in the product,
+the testbed or the benchmarks imports ``tests``, and no test imports
+``benchmarks`` (a test runs a benchmark as a command). Every import counts,
+including those inside functions: a lazy import that goes up is still a cycle
+in the design.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"storage": 0, "tasks": 1, "flows": 2, "deployments": 3, "benchmarks": 3}
+LAYERS = {"storage": 0, "tasks": 1, "flows": 2, "deployments": 3, "testbed": 4, "benchmarks": 5}
+PRODUCT = ("storage", "tasks", "flows", "deployments")
 
 
 def _modules() -> dict[str, Path]:
@@ -64,9 +68,41 @@ def test_no_module_imports_a_higher_layer_or_the_tests():
             top = imported.split(".")[0]
             if top in test_modules:
                 upward.append(f"{name} imports the tests ({imported})")
-            elif top in LAYERS and LAYERS[top] > layer and not (top == "benchmarks" and layer == 3):
+            elif top in LAYERS and LAYERS[top] > layer:
                 upward.append(f"{name} imports {imported} from a higher layer")
     assert upward == []
+
+
+def _test_modules() -> dict[str, Path]:
+    """The modules under tests/ (test files, their support modules, conftest), by name."""
+    return {".".join(p.relative_to(ROOT / "tests").with_suffix("").parts): p
+            for p in sorted((ROOT / "tests").rglob("*.py"))}
+
+
+def test_the_testbed_builds_on_the_product_which_never_imports_it():
+    modules = _modules()
+    imports = {name: _imports(path) for name, path in modules.items()}
+    wrong = [f"{name} imports {imported}" for name in modules if name.split(".")[0] in PRODUCT
+             for imported in imports[name] if imported.split(".")[0] in ("testbed", "benchmarks")]
+    assert wrong == []
+    testbed = [name for name in modules if name.split(".")[0] == "testbed"]
+    assert {"testbed", "testbed.processes", "testbed.fleet"} <= set(testbed)  # the layer exists and is scanned
+    assert any(i.split(".")[0] in PRODUCT for name in testbed for i in imports[name])
+
+
+def test_tests_and_benchmarks_do_not_import_each_other():
+    """No test imports a benchmark (a test runs one as a command); no benchmark or testbed module imports the
+    tests' modules (``lab``, ``s3_support``, ..., or ``tests`` itself)."""
+    tests = _test_modules()
+    assert "conftest" in tests and "test_layers" in tests
+    test_names = {name.split(".")[0] for name in tests} | {"tests"}
+    crossing = [f"tests/{path.relative_to(ROOT / 'tests')} imports {imported}"
+                for path in tests.values() for imported in _imports(path) if imported.split(".")[0] == "benchmarks"]
+    for name, path in _modules().items():
+        if name.split(".")[0] in ("benchmarks", "testbed"):
+            crossing += [f"{name} imports the tests ({imported})" for imported in _imports(path)
+                         if imported.split(".")[0] in test_names]
+    assert crossing == []
 
 
 def test_there_are_no_import_cycles():

@@ -6,7 +6,7 @@ import os
 import tracemalloc
 
 import pytest
-from s3_support import FAULT_KINDS, Faults, free_port, s3  # noqa: F401  (s3 is a fixture)
+from s3_support import s3  # noqa: F401  (s3 is a fixture)
 
 from storage.errors import (
     AccessDenied, ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, ObjectNotFound,
@@ -15,6 +15,8 @@ from storage.errors import (
 from storage.objects.store import ObjectStore, TransferStats
 from storage.urls import join_url
 from storage.settings import ObjectStoreSettings, RefitParams
+from testbed.processes import free_port
+from testbed.s3proxy import FAULT_KINDS, Faults
 
 
 def _put(s3, name: str, data: bytes) -> str:

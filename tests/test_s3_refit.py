@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from lab import independent_digest, read_checkpoint
-from s3_support import Faults, aws_environment, process_env, s3, s3_lab  # noqa: F401  (s3 is a fixture)
+from s3_support import aws_environment, process_env, s3, s3_lab  # noqa: F401  (s3 is a fixture)
 
 from flows.synthetic import train_step
 from storage.catalog.records import Catalog
@@ -23,6 +23,7 @@ from storage.errors import ConditionalWritesUnsupported, ImmutableConflict
 from storage.store.local_store import LocalStore
 from storage.objects.store import ObjectStore
 from storage.urls import join_url, parent_url
+from testbed.s3proxy import Faults
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["resolve catalog", "seed checkpoint", "fetch index", "fetch buckets", "apply deltas",

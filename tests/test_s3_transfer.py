@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from s3_support import Faults, aws_environment, peak_open, s3  # noqa: F401  (s3 is a fixture)
+from s3_support import aws_environment, s3  # noqa: F401  (s3 is a fixture)
 
 from storage.errors import (
     AccessDenied, Cancelled, ImmutableConflict, ObjectNotFound, StoreError, TransientStorageError,
@@ -27,6 +27,7 @@ from storage.objects.store import ObjectStore, TransferStats
 from storage.objects.multipart import S3Multipart, upload_parts
 from storage.objects.transfer import STREAM_CHUNK, partial_paths
 from storage.urls import join_url
+from testbed.s3proxy import Faults, peak_open
 
 MIB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -437,17 +438,21 @@ def test_an_upload_killed_midway_is_retried_from_scratch(s3, tmp_path):
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
-def test_the_transfer_benchmark_runs_end_to_end(tmp_path, capsys):
-    from benchmarks.transfer import main
-
+def test_the_transfer_benchmark_runs_end_to_end(tmp_path):
+    """``python -m benchmarks.transfer`` as a command from the repository root (tests import no benchmark)."""
     out = tmp_path / "transfer.json"
-    assert main(["--quick", "--size-mb", "24", "--revision-mb", "16", "--objects", "4", "--curve-ranges", "8",
-                 "--curve-connections", "2", "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.transfer", "--quick", "--size-mb", "24",
+                           "--revision-mb", "16", "--objects", "4", "--curve-ranges", "8", "--curve-connections", "2",
+                           "--workdir", str(tmp_path), "--json", str(out)],
+                          cwd=ROOT, env=os.environ | {"PYTHONPATH": path}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, f"benchmarks.transfer exited with {done.returncode}:\n{done.stdout[-3000:]}\n" \
+                                 f"{done.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result["schema"] == "canonical-refit.benchmark.transfer.v1"
     assert [r["what"].split()[0] for r in result["rows"]] == ["download", "download", "upload", "upload"]
     assert all(r["bytes"] > 0 and r["seconds"] > 0 and r["ratio"] > 0 for r in result["rows"] + result["curve"])
     assert [(r["range_mib"], r["connections"]) for r in result["curve"]] == [(8, 2)]
-    assert "goal: every ratio >= 0.8 with default settings" in capsys.readouterr().out
+    assert "goal: every ratio >= 0.8 with default settings" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transfer.json"]  # the scratch folder is gone
-    assert "AWS_ACCESS_KEY_ID" not in os.environ or os.environ["AWS_ACCESS_KEY_ID"] != "bench"

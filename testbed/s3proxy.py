@@ -16,9 +16,15 @@ logged (method, path, query, Range header, fault, status, body bytes sent and
 received, start and end times); ``peak_open`` and ``max_in_flight_gets`` tell
 how many requests overlapped. The proxy stops itself after ``lifetime_s``.
 
-``python -m benchmarks._s3proxy UPSTREAM [--bandwidth-mb-s N] [--latency-ms N]``
+``python -m testbed.s3proxy UPSTREAM [--bandwidth-mb-s N] [--latency-ms N]``
 serves one in its own process (so it does not share the client's GIL) and
-prints its URL. Tests import it through ``tests/s3_support.py``.
+prints its URL (the transfer benchmark runs it so). The tests put one in front
+of their moto server (``tests/s3_support.py``); the fleet lab one in front of
+each node's S3.
+
+It stays one module of about 450 lines: the proxy, its request handler and
+the pacing are one mechanism (the handler reads and updates the proxy's state
+on every request), so a split would only spread it over files.
 """
 
 from __future__ import annotations
@@ -420,7 +426,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks._s3proxy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m testbed.s3proxy", description=__doc__.split("\n\n")[0])
     p.add_argument("upstream", help="URL of the S3 server, e.g. http://127.0.0.1:9000")
     p.add_argument("--bandwidth-mb-s", type=float, default=0.0, help="per-connection cap, MB/s (0: none)")
     p.add_argument("--latency-ms", type=float, default=0.0, help="delay before every response, ms")

@@ -1,11 +1,12 @@
-"""A rate-limited object store for the benchmark: ``throttled:///abs/path`` over the local disk.
+"""A rate-limited object store: ``throttled:///abs/path`` over the local disk (the refit benchmark's slow link).
 
 Reads through ``throttled://`` go to the local filesystem but are paced by one
 process-wide link of ``bytes_per_s`` (a token schedule shared by every
 thread, so eight concurrent downloads share the bandwidth as they would share
 a NIC). Writes are not throttled. ``mirror_catalog`` makes a second catalog
 whose records point their payload URIs at ``throttled://``, so the very same
-published files can be fetched at a realistic bandwidth.
+published files can be fetched at a realistic bandwidth. Importing the module
+registers the protocol with fsspec in this process.
 """
 
 from __future__ import annotations

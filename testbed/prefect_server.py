@@ -1,0 +1,161 @@
+"""A local Prefect server for the lab, and the small helpers that read runs and events back from it.
+
+``PrefectServer`` runs ``prefect server start`` on 127.0.0.1 at a free port,
+UI off, with a ``PREFECT_HOME`` of its own (``ROOT/server-home``; log
+``ROOT/server.log``), in its own session: on SQLite in that home
+(``database_url=None``: the refit benchmark, the deployment tests) or on a
+PostgreSQL database (``Postgres.url``: the fleet lab and the fleet test).
+``start`` waits (bounded) for ``/api/health``; ``stop`` ends its process group
+(SIGTERM, a bounded wait, SIGKILL). It is also a context manager.
+``cpu_seconds`` reads its CPU time, for the per-request costs in docs/fleet.md.
+
+``prefect_env`` gives a client process its own ``PREFECT_HOME`` (so nothing
+touches a developer's database) with analytics off.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from testbed.processes import free_port, process_cpu_seconds, quiet_env, stop_group, tail, wait_until
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+FINAL_STATE_TYPES = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    """Environment overrides for a process that runs Prefect flows in isolation."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    }
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    return env
+
+
+class PrefectServer:
+    """``prefect server start`` on 127.0.0.1, its own PREFECT_HOME, UI off: on PostgreSQL (``database_url``) or, with
+    None, on SQLite in its home. ``start``/``stop``, or a ``with`` block."""
+
+    def __init__(self, root: Path, database_url: str | None = None, *, extra_env: dict[str, str] | None = None):
+        self.root = Path(root)
+        self.home = self.root / "server-home"
+        self.log = self.root / "server.log"
+        self.database_url = database_url
+        self.extra_env = dict(extra_env or {})
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    def start(self, timeout_s: float = 180.0) -> "PrefectServer":
+        import httpx
+
+        self.home.mkdir(parents=True, exist_ok=True)
+        database = {"PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url} if self.database_url else {}
+        env = quiet_env(PREFECT_HOME=str(self.home), PREFECT_UI_ENABLED="false", **database, **self.extra_env)
+        started = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                                         env=env, cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prefect server exited with {self.proc.returncode}\n{tail(self.log)}")
+            try:
+                return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        try:
+            wait_until("the Prefect server to be healthy", healthy, timeout_s, every_s=0.25,
+                       diagnostics=lambda: tail(self.log))
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def stop(self) -> None:
+        stop_group(self.proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_seconds(self) -> float:
+        return process_cpu_seconds(self.proc.pid)
+
+    def client_env(self, home: Path, api_url: str | None = None, **extra: str) -> dict[str, str]:
+        """Environment of a client process of this server (own PREFECT_HOME; ``api_url`` e.g. a tap's)."""
+        Path(home).mkdir(parents=True, exist_ok=True)
+        return quiet_env(PREFECT_API_URL=api_url or self.url, PREFECT_HOME=str(home), **extra)
+
+    def __enter__(self) -> "PrefectServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def client(self):
+        from prefect.client.orchestration import SyncPrefectClient
+
+        return SyncPrefectClient(self.url)
+
+
+# -- reading runs back ---------------------------------------------------------------------------------------
+
+
+def deployment_ids(client, names: list[str]) -> dict[str, object] | None:
+    """Deployment ids by name, or None while one is missing."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return {name: client.read_deployment_by_name(name).id for name in names}
+    except ObjectNotFound:
+        return None
+
+
+def runs_of(client, deployment_ids_: list) -> list:
+    """Flow runs of the deployments, oldest first."""
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=list(deployment_ids_))),
+                                 limit=200)
+    return sorted(runs, key=lambda r: r.created)
+
+
+def target_of(run) -> str | None:
+    return ((run.parameters or {}).get("params") or {}).get("target")
+
+
+def is_final(run) -> bool:
+    return run.state_type is not None and run.state_type.value in FINAL_STATE_TYPES
+
+
+def published_events(client_url: str, since_iso: str) -> list[dict]:
+    """``canonical-refit.revision.published`` events the server has stored since ``since_iso`` (oldest first)."""
+    import httpx
+
+    body = {"filter": {"event": {"name": ["canonical-refit.revision.published"]},
+                       "occurred": {"since": since_iso}, "order": "ASC"}, "limit": 50}
+    response = httpx.post(f"{client_url}/events/filter", json=body, timeout=10)
+    response.raise_for_status()
+    return response.json().get("events", [])
+
+
+def parse_time(value) -> float:
+    """An API timestamp (datetime or ISO string) as Unix seconds."""
+    from datetime import datetime
+
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return value.timestamp()
