@@ -32,13 +32,17 @@ safe point (the run's state is read every ``cancel_poll_s`` while it runs);
 SIGTERM or Ctrl-C stop the agent the same way: the run in progress ends
 ``INTERRUPTED`` with its store recoverable, then the agent exits.
 
-A run the agent claims carries its claimant in the ``Pending`` state's
-message (host, boot, pid and process start time). A node whose agent was
-killed (SIGKILL, a crashed host) leaves that run ``Running`` on the server;
-when the node's agent starts again it finds its deployments' runs still
-``Pending``, ``Running`` or ``Cancelling`` whose claimant process is gone
-from this host, and marks them ``Crashed``. Runs claimed on another host or
-by a live process are left alone.
+A node whose agent was killed (SIGKILL, a crashed host, a rescheduled pod)
+leaves its run ``Running`` on the server. Two things close it, both from
+what Prefect provides: every refit run sends Prefect's flow-run heartbeats,
+and each agent makes sure the server has the automation Prefect documents
+for zombie runs (``zombie_automation``: a run of ours whose heartbeats stop
+without a final state is marked ``Crashed``), whatever host the node comes
+back on, or if it never does. And a run the agent claims carries its
+claimant in the ``Pending`` state's message (host, boot, pid and process
+start time), so that an agent restarted on the same host closes its
+predecessor's runs at once (``crash_orphans``), without waiting for the
+heartbeats to be missed.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from uuid import UUID
 
 from storage.cancel import StopToken, current_stop
@@ -62,9 +66,15 @@ from storage.cancel import StopToken, current_stop
 log = logging.getLogger("canonical_refit.agent")
 POLL_S = 10.0  # default seconds between polls (serve passes ServeSettings.poll_s)
 FOLLOW_UP_S = (0.2, 0.5, 1.0)  # polls after a wake-up that found nothing due yet (the run may not be visible yet)
+HEARTBEAT_S = 30.0  # default seconds between refreshes of the node's record (serve passes ServeSettings.heartbeat_s)
 CANCEL_POLL_S = 2.0  # seconds between reads of a running run's state (cancellation from the UI or the API)
 MAX_BACKOFF_S = 30.0  # longest wait between polls while the API fails
 CLAIM = "claimed by node agent"
+RUN_TAG = "canonical-refit"  # every deployment's tag (deployments/serve.py): what the zombie automation matches
+ZOMBIE_AUTOMATION = "canonical-refit: crash refit runs whose heartbeats stopped"
+# the names a run of ours ends in (each state change is the event prefect.flow-run.<name>)
+FINAL_STATE_NAMES = ("Ready", "Skipped", "Poisoned", "Interrupted", "Failed", "Completed", "Cancelled", "Crashed",
+                     "TimedOut")
 _CLAIM_RE = re.compile(rf"{CLAIM} host=(?P<host>\S+) boot=(?P<boot>\S+) pid=(?P<pid>\d+) start=(?P<start>\d+)")
 
 
@@ -79,6 +89,8 @@ class AgentStats:
     api_errors: int = 0
     orphans_crashed: int = 0
     wakeups: int = 0  # scheduled-run events received from the server's event stream
+    heartbeats: int = 0  # node record refreshes (no Prefect API request)
+    heals: int = 0  # refits started because a heartbeat saw the engines drift from the store
     started_at: float = field(default_factory=time.monotonic)
     run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
 
@@ -115,14 +127,64 @@ def claimant_gone(message: str | None) -> bool:
     return start is None or str(start) != found["start"]
 
 
+def zombie_automation(within_s: float):
+    """Prefect's documented zombie-run automation, for our runs: after a flow-run heartbeat of a run tagged
+    ``canonical-refit``, expect another heartbeat or a final state within ``within_s``; otherwise mark the run
+    ``Crashed`` (its process is gone: kill -9, a lost host, an evicted pod)."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation, EventTrigger, Posture
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+
+    return Automation(
+        name=ZOMBIE_AUTOMATION,
+        description="A refit run stopped sending heartbeats without ending: its node agent is gone. The node's "
+                    "store recovers by itself on its next refit.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", *(f"prefect.flow-run.{name}" for name in FINAL_STATE_NAMES)},
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            match_related={"prefect.resource.role": "tag", "prefect.resource.id": f"prefect.tag.{RUN_TAG}"},
+            for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+            within=timedelta(seconds=within_s)),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=(
+            f"no heartbeat for {within_s:.0f}s: the node agent that ran it is gone; the node's store recovers on "
+            "its next refit"))],
+    )
+
+
+def ensure_zombie_automation(client, within_s: float) -> None:
+    """Create (or correct) the server's ``zombie_automation``; every agent asks, one exists."""
+    from prefect.events.schemas.automations import AutomationCore
+
+    wanted = AutomationCore.model_validate(zombie_automation(within_s).model_dump(exclude={"id"}))
+    try:
+        existing = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+        if not existing:
+            client.create_automation(wanted)
+            log.info("created the automation %r (a run silent for %.0fs is Crashed)", ZOMBIE_AUTOMATION, within_s)
+        elif existing[0].trigger.within != wanted.trigger.within:
+            client.update_automation(existing[0].id, wanted)
+            log.info("set the automation %r to %.0fs", ZOMBIE_AUTOMATION, within_s)
+    except Exception as exc:  # the node still refits; only the server's cleanup of a dead agent's runs is missing
+        log.warning("could not create the automation %r (runs of a killed agent stay Running until it "
+                    "restarts on this host): %s", ZOMBIE_AUTOMATION, exc)
+
+
 class NodeAgent:
     """Runs the flow runs of ``deployments`` (runner deployments of the ``flows`` named by their flow_name) in
     this process, one at a time, polling every ``poll_s``."""
 
     def __init__(self, deployments: list, flows: dict[str, Any], *, poll_s: float = POLL_S,
                  start_now: str | None = None, stop: StopToken | None = None,
-                 cancel_poll_s: float = CANCEL_POLL_S, wake_on_events: bool = True):
+                 cancel_poll_s: float = CANCEL_POLL_S, wake_on_events: bool = True,
+                 heartbeat: Callable[[bool], Any] | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 zombie_after_s: float | None = None, outcomes: dict[str, Callable[..., Any]] | None = None):
         self.deployments = deployments
+        # flow name -> outcome(reset=False): the final state the flow's last run reached in this process
+        self.outcomes = outcomes or {}
+        self.zombie_after_s = zombie_after_s  # None: no zombie automation (flow-run heartbeats are off)
         self.flows = flows
         self.poll_s = poll_s
         self.cancel_poll_s = cancel_poll_s
@@ -132,7 +194,11 @@ class NodeAgent:
         self.stats = AgentStats()
         self.identity = agent_identity()
         self._flows: dict[UUID, Any] = {}
-        self._wake = threading.Event()  # set by a scheduled-run event, and by stopping
+        self._wake = threading.Event()  # set by a scheduled-run event, a drift to heal, and by stopping
+        self.heartbeat, self.heartbeat_s = heartbeat, heartbeat_s
+        self._busy = threading.Event()  # a flow run is executing
+        self._heal = threading.Event()  # a heartbeat saw the engines drift from the store: refit to heal
+        self._latest_id: UUID | None = None  # the start_now deployment, which a heal runs
 
     def register(self, client) -> list[UUID]:
         """Create or update every deployment on the server; their ids."""
@@ -142,10 +208,13 @@ class NodeAgent:
             self._flows[deployment_id] = self.flows[deployment.flow_name]
             ids.append(deployment_id)
             log.info("registered deployment %s (%s)", deployment.name, deployment_id)
+        if self.zombie_after_s:
+            ensure_zombie_automation(client, self.zombie_after_s)
         self.crash_orphans(client, ids)
         if self.start_now:
             for deployment_id, deployment in zip(ids, self.deployments):
                 if deployment.name == self.start_now:
+                    self._latest_id = deployment_id
                     client.create_flow_run_from_deployment(deployment_id)
                     log.info("scheduled %s once at start-up: the node catches up to latest", deployment.name)
         return ids
@@ -191,6 +260,8 @@ class NodeAgent:
                 client = context.client
                 ids = self._until_registered(client)
                 if ids is not None:
+                    if self.heartbeat is not None:
+                        threading.Thread(target=self._beat, name="node-heartbeat", daemon=True).start()
                     if self.wake_on_events:
                         threading.Thread(target=self._listen, args=(api_url, ids), name="run-wakeup",
                                          daemon=True).start()
@@ -214,11 +285,32 @@ class NodeAgent:
                 backoff = min(MAX_BACKOFF_S, backoff * 2)
         return None
 
+    def _beat(self) -> None:
+        """Every ``heartbeat_s``: refresh this node's record (alive, and what its engines run); a drift found
+        while idle asks the agent for a healing refit."""
+        while not self.stop.stopped:
+            try:
+                record = self.heartbeat(self._busy.is_set())
+                self.stats.heartbeats += 1
+                if record is not None and record.condition() == "DRIFTED" and not self._busy.is_set():
+                    log.warning("node heartbeat: the engines do not run the installed %s (%s): refitting to heal",
+                                record.store_version, record.engines)
+                    self._heal.set()
+                    self._wake.set()
+            except Exception as exc:  # a missed beat: the next one tries again
+                log.warning("node heartbeat failed: %s", exc)
+            self.stop.wait(self.heartbeat_s)
+
     def _serve(self, client, ids: list[UUID]) -> None:
         backoff = min(self.poll_s, 1.0)
         follow_ups: list[float] = []
         while not self.stop.stopped:
             try:
+                if self._heal.is_set() and self._latest_id is not None:
+                    self._heal.clear()
+                    self.stats.api_requests += 1
+                    client.create_flow_run_from_deployment(self._latest_id)
+                    self.stats.heals += 1
                 due = self._due(client, ids)
                 for run in due:
                     if self.stop.stopped:
@@ -311,22 +403,52 @@ class NodeAgent:
                                    name="cancel-watch", daemon=True)
         token = current_stop.set(run_stop)
         started = time.perf_counter()
+        self._busy.set()
         try:
             self.stats.api_requests += 1
             claimed = client.read_flow_run(run.id)
             watcher.start()
+            outcome = self.outcomes.get(flow.name)
+            if outcome is not None:
+                outcome(reset=True)
             state = run_flow(flow, flow_run=claimed, parameters=run.parameters, return_type="state")
             log.info("flow run %s ended %s in %.2fs", run.name, getattr(state, "name", state),
                      time.perf_counter() - started)
+            self._settle(client, run, state, outcome)
         except BaseException as exc:  # the engine reported it on the run; the agent serves on
             log.error("flow run %s failed in the agent: %s", run.name, exc)
             if isinstance(exc, KeyboardInterrupt):
                 raise
         finally:
+            self._busy.clear()
             current_stop.reset(token)
             watcher_done.set()
             run_stop.close()
             self.stats.runs += 1
+
+    def _settle(self, client, run, state, outcome: Callable[[], Any] | None) -> None:
+        """A run that ended before its cancellation reached it is left ``Cancelling`` by the server (which
+        refuses the engine's final state, and the engine returns ``Cancelling``): give it the state it really
+        ended in (``outcome()``), so that no run stays Cancelling."""
+        from prefect.states import Cancelled, Completed
+
+        if state is not None and state.is_final():
+            return
+        reached = outcome() if outcome is not None else None
+        if reached is None:
+            final = Cancelled(name="Interrupted", message="cancelled; the run ended while its cancellation was "
+                                                          "being delivered")
+        elif reached.is_completed():  # it finished (installed and activated, or nothing to do): say so
+            final = Completed(name=reached.name, message=f"{reached.message} (it finished before the "
+                                                         "cancellation reached it)")
+        elif reached.is_cancelled():
+            final = Cancelled(name=reached.name, message=reached.message)
+        else:
+            final = reached.model_copy(update={"data": None})
+        self.stats.api_requests += 1
+        client.set_flow_run_state(run.id, final, force=True)
+        log.warning("flow run %s ended while the server had it %s: set %s", run.name,
+                    getattr(state, "name", state), final.name)
 
     def _watch_cancellation(self, client, run_id: UUID, run_stop: StopToken, done: threading.Event) -> None:
         while not done.wait(self.cancel_poll_s):
@@ -344,14 +466,17 @@ class NodeAgent:
 
 def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float = POLL_S,
                      start_now: str | None = None, cancel_poll_s: float = CANCEL_POLL_S,
-                     wake_on_events: bool = True) -> AgentStats:
+                     wake_on_events: bool = True, heartbeat: Callable[[bool], Any] | None = None,
+                     heartbeat_s: float = HEARTBEAT_S, zombie_after_s: float | None = None,
+                     outcomes: dict[str, Callable[..., Any]] | None = None) -> AgentStats:
     """Run a ``NodeAgent`` in a worker thread while the main thread owns the signals."""
     from storage.cancel import signals_stop_the_run
 
     outcome: dict = {}
     with signals_stop_the_run() as stop:
         agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
-                          wake_on_events=wake_on_events, stop=stop)
+                          wake_on_events=wake_on_events, stop=stop, heartbeat=heartbeat, heartbeat_s=heartbeat_s,
+                          zombie_after_s=zombie_after_s, outcomes=outcomes)
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, args=(lambda: outcome.update(stats=agent.run()),),
                                   name="node-agent", daemon=True)

@@ -74,6 +74,15 @@ class ServeSettings(BaseSettings):
             raise ValueError(f"name suffix {value!r} must be lowercase letters, digits and dashes")
         return value
 
+    def zombie_window_s(self) -> float | None:
+        """``zombie_after_s``, or three of Prefect's flow-run heartbeats; None when heartbeats are off."""
+        if self.zombie_after_s is not None:
+            return self.zombie_after_s
+        from prefect.settings import get_current_settings
+
+        frequency = get_current_settings().flows.heartbeat_frequency
+        return None if frequency is None else 3.0 * max(frequency, 30)
+
     def suffix_for(self, node: str) -> str:
         """The suffix in force: the one given, or one derived from the node name."""
         if self.name_suffix is not None:
@@ -83,6 +92,14 @@ class ServeSettings(BaseSettings):
                           description="seconds between the agent's queries for flow runs to start (each is one API "
                                       "request while idle); triggered runs start at once anyway, on their "
                                       "scheduled-run event (docs/fleet.md)")
+    heartbeat_s: float = Field(30.0, ge=1, le=3600,
+                               description="seconds between refreshes of this node's status record (alive, and what "
+                                           "its engines run; a drift found is healed by a refit); readers count a "
+                                           "node stale after three missed beats")
+    zombie_after_s: float | None = Field(
+        None, ge=30, description="a refit run whose Prefect flow-run heartbeats stop for this many seconds without "
+                                 "a final state is marked Crashed by a server automation (its agent is gone); "
+                                 "default: three heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s by default)")
     wake_on_events: bool = Field(True, description="wake the agent when a run of its deployments is scheduled, from "
                                                    "the server's event stream (one websocket per node), so that "
                                                    "triggered runs start at once; without it only the polls find them")
@@ -154,6 +171,7 @@ NODE_FLAGS = [
     Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
 ]
 SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
+               Flag("heartbeat_s", "--heartbeat-seconds"), Flag("zombie_after_s", "--zombie-after"),
                Flag("wake_on_events", "--no-event-wakeups", invert=True)]
 
 
@@ -175,11 +193,23 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> tuple[RefitParams, ServeSettings, argparse.Namespace]:
     """RefitParams and ServeSettings from the flags given; the environment fills in the rest."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_suffix(argv))
     try:
         return build(RefitParams, given(args, NODE_FLAGS)), build(ServeSettings, given(args, SERVE_FLAGS)), args
     except ValidationError as exc:
         parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+
+
+def _attach_suffix(argv: list[str]) -> list[str]:
+    """``--name-suffix -gpu3`` as ``--name-suffix=-gpu3``: argparse would take ``-gpu3`` for a flag."""
+    out, it = [], iter(argv)
+    for arg in it:
+        if arg == "--name-suffix":
+            value = next(it, None)
+            out.append(arg if value is None else f"{arg}={value}")
+        else:
+            out.append(arg)
+    return out
 
 
 def node_environment(params: RefitParams) -> dict[str, str]:
@@ -235,9 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     log.info("node %s serving %s for %s from %s on %s: refit-latest every %.0f s, refit-on-publish on %s; "
              "flow runs in this process, one at a time", params.node, ", ".join(d.name for d in deployments),
              params.model, params.catalog, url, settings.interval_s, EVENT)
+    from flows import node_report
+    from flows.outcome import last_refit_outcome
+    from tasks.installers import make_installer
+
+    node_report.heartbeat_interval_s = settings.heartbeat_s
+    installer = make_installer(params.installer)  # one, for the heartbeats' questions to the engines
     stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, poll_s=settings.poll_s,
                              start_now=f"refit-latest{settings.suffix_for(params.node)}",
-                             wake_on_events=settings.wake_on_events)
+                             wake_on_events=settings.wake_on_events, heartbeat_s=settings.heartbeat_s,
+                             heartbeat=lambda busy: node_report.refresh_node(params, installer, busy=busy),
+                             zombie_after_s=settings.zombie_window_s(),
+                             outcomes={"refit": last_refit_outcome})
     log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,
              time.monotonic() - stats.started_at)
     return 0

@@ -1,54 +1,141 @@
-"""What a run tells the fleet: this node's status record beside the catalog, and a Prefect event."""
+"""What a node tells the fleet: its status record beside the catalog, and a Prefect event.
+
+The record says what the engines run, not what the store remembers: the
+installer is asked (``observe``), and ``version`` is set only when every
+engine reports the store's installed version; otherwise the record is
+``DRIFTED`` and names what each engine reports. A run writes it when it
+ends (``report_node``); a node agent refreshes it every ``heartbeat_s``
+while it runs (``refresh_node``), so readers can tell a live idle node from
+a dead one, and a drift (an engine restarted on its launch weights) is seen
+within one beat.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from dataclasses import replace
 
 from flows.prefect_api import configured_api_url
-from flows.report import RefitResult
-from storage.catalog.nodes import NodeRecord, write_node_record
+from flows.report import READY, SKIPPED, RefitResult
+from storage.catalog.nodes import DRIFTED, NodeRecord, read_node_records, write_node_record
 from storage.errors import RefitError
 from storage.objects.store import ObjectStore
 from storage.settings import RefitParams
-from storage.store.local_store import LocalStore
+from storage.store.local_store import ActiveIdentity, LocalStore
+from tasks.installers.base import confirmed, engine_reports
 from tasks.stage import in_flow_run
 
 log = logging.getLogger("canonical_refit.refit")
-
-
 NODE_EVENT = "canonical-refit.node.{status}"
+heartbeat_interval_s: float | None = None  # set by a node agent: how often it refreshes this node's record
+_writing = threading.Lock()  # a heartbeat's read-and-rewrite never interleaves with a run's write (one process)
 
 
-def report_node(params: RefitParams, result: RefitResult) -> None:
+def _installed(params: RefitParams) -> ActiveIdentity | None:
+    try:
+        store = LocalStore(params.cache_dir, params.model, create=False)
+        return store.active() if store.exists else None
+    except RefitError:
+        return None
+
+
+def observed(params: RefitParams, installer) -> dict:
+    """The record's fields that say what the node runs: the store's installed identity and the engines' word."""
+    active = _installed(params)
+    try:
+        reports = engine_reports(installer)
+    except Exception as exc:  # an installer of the caller's own that fails to observe: nothing is confirmed
+        log.warning("could not ask the engines of node %s what they run: %s", params.node, exc)
+        reports = None
+    agreed = active is not None and reports is not None and confirmed(reports, active.version)
+    return {"version": active.version if agreed else None, "digest": active.digest if agreed else None,
+            "store_version": active.version if active else None,
+            "engines": {r.url: r.version for r in reports or ()},
+            "launch_files": active.launch_files if active else None}
+
+
+def report_node(params: RefitParams, result: RefitResult, installer) -> NodeRecord:
     """Tell the fleet how this run ended: this node's status record beside the catalog, and an event.
 
     Best effort: a node whose record cannot be written still did (or did not
     do) its refit; the run's own outcome is what counts, so this never fails it.
     """
+    seen = observed(params, installer)
+    status = result.status
+    if status in (READY, SKIPPED) and seen["store_version"] is not None and seen["version"] is None:
+        status = DRIFTED  # the run ended well, but an engine does not run what the store installed
+    now = int(time.time() * 1000)
+    record = NodeRecord(node=params.node, model=params.model, status=status, target=params.target,
+                        error=result.error, stages={s["name"]: s["seconds"] for s in result.stages},
+                        bytes_fetched=next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0),
+                        attempts=max(1, len(result.attempts)), updated_at_unix_ms=now, alive_at_unix_ms=now,
+                        heartbeat_s=heartbeat_interval_s, **seen)
+    with _writing:
+        _write(params, record)
+    _emit(params, record)
+    return record
+
+
+def refresh_node(params: RefitParams, installer, *, busy: bool = False) -> NodeRecord | None:
+    """A heartbeat: the node is alive; ask its engines again and rewrite its record (a run's outcome kept).
+
+    While a run is in progress (``busy``) only the time of life changes: the
+    engines may be between versions. Returns the record written, whose
+    ``condition()`` is ``DRIFTED`` when an engine no longer runs what the
+    store installed (the agent then refits to heal it); None if nothing
+    could be written.
+    """
+    with _writing:
+        written = _refresh(params, installer, busy)
+    if written is not None and written[0].status == DRIFTED and written[1] != DRIFTED:
+        _emit(params, written[0])
+    return written[0] if written is not None else None
+
+
+def _refresh(params: RefitParams, installer, busy: bool) -> tuple[NodeRecord, str] | None:
+    objects = ObjectStore.shared(params.storage)
     try:
-        store = LocalStore(params.cache_dir, params.model, create=False)
-        active = store.active() if store.exists else None
-    except RefitError:
-        active = None
-    stages = {s["name"]: s["seconds"] for s in result.stages}
-    fetched = next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0)
-    record = NodeRecord(node=params.node, model=params.model, version=active.version if active else None,
-                        digest=active.digest if active else None, status=result.status, target=params.target,
-                        error=result.error, stages=stages, bytes_fetched=fetched,
-                        attempts=max(1, len(result.attempts)), updated_at_unix_ms=int(time.time() * 1000),
-                        launch_files=active.launch_files if active else None)
+        previous = next((r for r in read_node_records(objects, params.catalog, params.model, only=params.node)[0]
+                         if r.node == params.node), None)
+    except RefitError as exc:
+        log.warning("heartbeat of node %s: could not read its record: %s", params.node, exc)
+        previous = None
+    now = int(time.time() * 1000)
+    if previous is None:
+        previous = NodeRecord(node=params.node, model=params.model, version=None, digest=None, status="STARTED",
+                              updated_at_unix_ms=now)
+    record = replace(previous, alive_at_unix_ms=now, heartbeat_s=heartbeat_interval_s)
+    if not busy:
+        seen = observed(params, installer)
+        status = record.status
+        if seen["store_version"] is not None and seen["version"] is None:
+            status = DRIFTED
+        elif status == DRIFTED:
+            status = READY  # healed (by a refit, or the engine came back on the installed version)
+        record = replace(record, status=status, **seen)
+    return (record, previous.status) if _write(params, record) else None
+
+
+def _write(params: RefitParams, record: NodeRecord) -> bool:
     try:
         write_node_record(ObjectStore.shared(params.storage), params.catalog, record)
+        return True
     except RefitError as exc:
         log.warning("could not write the status record of node %s: %s", params.node, exc)
-    if in_flow_run() or configured_api_url():
-        try:
-            from prefect.events import emit_event
+        return False
 
-            emit_event(event=NODE_EVENT.format(status=result.status.lower()),
-                       resource={"prefect.resource.id": f"canonical-refit.node.{params.model}.{params.node}",
-                                 "prefect.resource.name": params.node},
-                       payload=record.to_json())
-        except Exception as exc:  # events are a view of the outcome, never part of it
-            log.warning("could not emit the node event of %s: %s", params.node, exc)
+
+def _emit(params: RefitParams, record: NodeRecord) -> None:
+    if not (in_flow_run() or configured_api_url()):
+        return
+    try:
+        from prefect.events import emit_event
+
+        emit_event(event=NODE_EVENT.format(status=record.status.lower()),
+                   resource={"prefect.resource.id": f"canonical-refit.node.{params.model}.{params.node}",
+                             "prefect.resource.name": params.node},
+                   payload=record.to_json())
+    except Exception as exc:  # events are a view of the outcome, never part of it
+        log.warning("could not emit the node event of %s: %s", params.node, exc)

@@ -84,3 +84,16 @@ def _carrier(result: RefitResult) -> RefitError:
     error = RefitError(result.error or result.status)
     error.result = result
     return error
+
+
+def last_refit_outcome(reset: bool = False) -> State | None:
+    """The final state this process's last refit reached, or None; ``reset`` forgets it (before a run). What a
+    node agent gives a run that the server kept ``Cancelling`` because it ended before its cancellation
+    reached it."""
+    from flows.report import forget_last, last_result
+
+    if reset:
+        forget_last()
+        return None
+    result = last_result()
+    return final_state(result) if result is not None else None

@@ -77,7 +77,7 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
     try:
         with store.exclusive(params.lock_timeout_s, "recovery") as lock:
             repairs = store.recover()
-            mark, active = store.poisoned(), store.active()
+            mark, active = store.poisoned() or store.fence(), store.active()
             if mark is None:
                 current = store.current()
                 return RecoverResult(

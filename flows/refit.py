@@ -44,7 +44,7 @@ from tasks.activate import ACTIVATE  # noqa: E402
 from tasks.apply_deltas import APPLY_DELTAS  # noqa: E402
 from tasks.fetch_buckets import FETCH_BUCKETS, discard_rejected_artifact  # noqa: E402
 from tasks.fetch_index import FETCH_INDEX  # noqa: E402
-from tasks.install import INSTALL  # noqa: E402
+from tasks.install import INSTALL, heal_interrupted_install  # noqa: E402
 from tasks.installers import make_installer  # noqa: E402
 from tasks.receiver import Receiver  # noqa: E402
 from tasks.resolve_catalog import RESOLVE_CATALOG  # noqa: E402
@@ -68,7 +68,7 @@ def runbook(rx: Receiver) -> str:
     anything else touches the store, on every path; only then is a failed
     update rolled back, and only then is the lock released.
     """
-    with rx.preparation() as lock:
+    with rx.preparation(first=heal_interrupted_install) as lock:
         plan = RESOLVE_CATALOG(rx)
         if plan.skip:
             return SKIPPED
@@ -176,7 +176,7 @@ def run_refit(params: RefitParams, *, installer=None, reporter: PrefectReporter 
     result.attempts = attempts
     result.notes = [f"attempt {a['attempt']} failed ({a['error']}); retried the whole run"
                     for a in attempts[:-1]] + result.notes
-    report_node(params, result)
+    report_node(params, result, installer)
     remember(result)
     if reporter is not None:
         reporter.publish_result(result)

@@ -60,17 +60,55 @@ def install_checkpoint(store: LocalStore, installer, target: VerifiedTarget, *, 
         return InstallReceipt(target, installer.name, f"{record.version} is already installed", skipped=True)
     request = InstallRequest(store, record.version, record.target_digest, record.format_digest,
                              target.path, record.files)
+    engines = tuple(getattr(installer, "engine_urls", ()) or ())
     killpoint("install.before")
+    store.fence_install(record.version, installer.name, engines)  # before the first engine is called
+    killpoint("install.fenced")
     try:
         outcome = installer.install(request)
     except PoisonedError as exc:
-        store.mark_poisoned(str(exc), record.version, installer.name,
-                            tuple(getattr(installer, "engine_urls", ()) or ()))
+        store.mark_poisoned(str(exc), record.version, installer.name, engines)
         raise exc.with_context(revision=record.version)
-    except InstallError as exc:
+    except InstallError as exc:  # refused before any weight was touched: nothing to fence
+        store.lift_fence()
         raise exc.with_context(revision=record.version)
+    store.lift_fence()  # every engine confirmed (an interrupt inside the install leaves the fence up)
     killpoint("install.after")
     return InstallReceipt(target, installer.name, outcome.detail)
+
+
+def heal_interrupted_install(rx: Receiver) -> None:
+    """First thing of a preparation: if a process ended inside an install, re-install through its installer.
+
+    The engines may hold a mix of two versions. The version being installed
+    is re-installed from its verified checkpoint (the one the engines may
+    have been reading; nothing has touched it since) and activated, before
+    recovery or anything else changes the store. Without a verified
+    checkpoint left to install, the node is marked poisoned (``recover``).
+    """
+    fence = rx.store.fence()
+    if fence is None:
+        return
+    installer = rx.installer
+    if (installer.name, tuple(getattr(installer, "engine_urls", ()) or ())) != (fence.installer,
+                                                                                tuple(fence.engine_urls)):
+        from storage.settings import InstallerSettings
+        from tasks.installers import make_installer
+
+        installer = make_installer(InstallerSettings(kind=fence.installer, engine_urls=list(fence.engine_urls)))
+    record = rx.store.verified(fence.version)
+    if record is None:
+        rx.store.mark_poisoned(f"an install of {fence.version} was interrupted and its verified checkpoint is gone",
+                               fence.version, fence.installer, fence.engine_urls)
+        raise ReceiverPoisoned(f"an install of {fence.version} was interrupted (its process ended inside it) and "
+                               f"no verified checkpoint of it is left; run `{recover_command(rx.params)}`",
+                               revision=fence.version, file=str(rx.store.fence_path))
+    rx.store.point_at(record)
+    receipt = install_checkpoint(rx.store, installer, VerifiedTarget(record, rx.store.absolute(record.path)),
+                                 recovering=True)
+    rx.store.activate(record.version, receipt.installer)
+    rx.ledger.note(f"an install of {fence.version} was interrupted (its process ended inside it): re-installed "
+                   f"{record.version} through {receipt.installer} before anything else ({receipt.detail})")
 
 
 def recover_command(params) -> str:

@@ -93,7 +93,7 @@ class Receiver:
         return self.params.stage_retry_policy()
 
     @contextmanager
-    def preparation(self) -> Iterator:
+    def preparation(self, first: Callable[["Receiver"], None] | None = None) -> Iterator:
         """Hold the store lock exclusively for stages 1-6 (``downgrade`` it for the installation fence).
 
         The store's folders are created under the lock, on first use.
@@ -104,7 +104,9 @@ class Receiver:
         try:
             killpoint("lock.exclusive", self.params.target)
             self.store.create()
-            # first of all, bring the store back to a trustworthy state (what the lineage may start from)
+            if first is not None and existed:
+                first(self)  # before recovery: an install a killed process left half done
+            # then bring the store back to a trustworthy state (what the lineage may start from)
             self.recovery = tuple(self.store.recover(workers=self.params.apply_workers, stop=self.stop,
                                                      progress=self.progress)) if existed else ()
             for action in self.recovery:  # in every run's notes, a skipped one's too

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from storage.catalog.records import Revision
 from storage.errors import LineageError
+from tasks.installers.base import engine_reports
 from tasks.receiver import Receiver
 from tasks.stage import Stage
 
@@ -66,10 +67,15 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
     if params.only_if_newer and active is not None:
         installed = rx.catalog.read(active.version)
         if installed.sequence >= target.sequence:
-            reason = (f"{target.version} (sequence {target.sequence}) is not newer than the installed "
-                      f"{installed.version} (sequence {installed.sequence}); nothing to do")
-            rx.ledger.note(reason)
-            return ReplayPlan(target, initial, (target,), True, skip=reason)
+            drift = installed_drift(rx, active)
+            if drift is None:
+                reason = (f"{target.version} (sequence {target.sequence}) is not newer than the installed "
+                          f"{installed.version} (sequence {installed.sequence}), which every engine runs; "
+                          "nothing to do")
+                rx.ledger.note(reason)
+                return ReplayPlan(target, initial, (target,), True, skip=reason)
+            rx.ledger.note(f"{installed.version} is recorded as installed, but {drift}: installing it again")
+            target = installed  # what the node should run, even if the event that woke it was older
     local = {version: record.target_digest for version, record in rx.store.inventory().items()}
     lineage = rx.catalog.lineage(target, local)
     root = lineage[0]
@@ -82,6 +88,31 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
     for version, error in sorted(rx.catalog.quarantined.items()):
         rx.ledger.note(f"catalog record {version} is malformed and was skipped (it is not on this lineage): {error}")
     return ReplayPlan(target, initial, tuple(lineage), root.version in local)
+
+
+def installed_drift(rx: Receiver, active) -> str | None:
+    """Why the recorded installed version is not what the node runs, in words; None if it is.
+
+    The store must still hold its verified checkpoint (a restart may have
+    lost an unflushed one) and every engine must report it: ``active.json``
+    is the record of the last install, the engines are the truth.
+    """
+    record = rx.store.verified(active.version)
+    if record is None or record.files != active.files:
+        return f"the store no longer holds its verified checkpoint (the store is at {_current(rx)})"
+    reports = engine_reports(rx.installer)
+    others = [f"{r.url} reports {r.version!r}" + (f" ({r.detail})" if r.version is None else "")
+              for r in reports if r.version != active.version]
+    if others:
+        return "; ".join(others)
+    if not reports and not rx.installer.is_current(active):
+        return "the installer does not confirm it"
+    return None
+
+
+def _current(rx: Receiver) -> str:
+    current = rx.store.current()
+    return current.version if current is not None else "no verified checkpoint"
 
 
 RESOLVE_CATALOG = Stage("resolve catalog", resolve_catalog, retried=True)

@@ -14,6 +14,7 @@ import json
 import subprocess
 import threading
 from dataclasses import dataclass, field
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from testbed.processes import PYTHON, ROOT, wait_until
 from testbed.trainer import Trainer
 
 MODEL = "lab/fleet"
+ZOMBIE_AFTER_S = 45
 # 1.8 MB of bf16 weights: a dense step published with --bucket-mib 1 is two buckets
 SHAPE = ModelShape(vocab=2048, hidden=128, intermediate=344, layers=2, shards=2)
 
@@ -65,9 +67,13 @@ class Fleet:
 
     def node(self, name: str, *, endpoint: str | None = None, installer: tuple[str, ...] = ("--installer", "none"),
              poll_s: float | None = None) -> NodeProcess:
-        node = NodeProcess(name, self.root / "nodes", self.catalog, MODEL, self.trainer.launch,
-                           self.server.client_env(self.root / "nodes" / f"{name}-home", **aws_environment()),
-                           s3_endpoint=endpoint or self.endpoint, poll_s=poll_s, installer=installer)
+        # flow-run heartbeats every 30 s (Prefect's minimum) and the zombie automation at 45 s: a killed agent's
+        # run is Crashed by the server within a minute; the node's own record is refreshed every 2 s
+        env = self.server.client_env(self.root / "nodes" / f"{name}-home", PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30",
+                                     **aws_environment())
+        node = NodeProcess(name, self.root / "nodes", self.catalog, MODEL, self.trainer.launch, env,
+                           s3_endpoint=endpoint or self.endpoint, poll_s=poll_s, installer=installer,
+                           extra=("--zombie-after", str(ZOMBIE_AFTER_S), "--heartbeat-seconds", "2"))
         self.nodes[name] = node
         return node
 
@@ -85,6 +91,15 @@ class Fleet:
         self.deployment_ids[node.name] = wait_until(f"{node.name} to register its deployments", check, timeout_s,
                                                     every_s=0.5, diagnostics=self.diagnostics)
         return self.deployment_ids[node.name]
+
+    def events(self, name: str, *, since: datetime) -> list:
+        """Events named ``name`` the server received since ``since``, oldest first."""
+        from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter
+
+        with self.server.client() as client:
+            page = client.read_events(EventFilter(event=EventNameFilter(name=[name]),
+                                                  occurred=EventOccurredFilter(since=since)), limit=50)
+        return sorted(page.events, key=lambda e: e.occurred)
 
     def runs(self, name: str, which: tuple[str, ...] = ("latest", "on_publish"), *, scheduled: bool = False) -> list:
         """The node's refit runs (of its refit-latest and refit-on-publish deployments), oldest first; runs the

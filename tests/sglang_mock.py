@@ -127,6 +127,21 @@ class MockSGLang:
                 self._thread.join(timeout=10)
                 self._server = None
 
+    def restart(self) -> "MockSGLang":
+        """What restarting an SGLang server does: it comes back on the same port with its launch weights
+        (``--model-path``), ``weight_version`` "default", whatever it ran before."""
+        self.stop()
+        self.port = int(self._url.rsplit(":", 1)[1])
+        for model, config in zip(self.models, self.runner_configs):
+            config.model_path = self.launch_path
+            loader = DefaultModelLoader(LoadConfig())
+            loader.load_weights_and_postprocess(
+                model, loader._get_weights_iterator(DefaultModelLoader.Source.init_new(config, model)), "cpu")
+        self.model_path = self.served_model_name = self.launch_path
+        self.weight_version = "default"
+        self.alive = True
+        return self.start()
+
     def __enter__(self) -> "MockSGLang":
         return self.start()
 

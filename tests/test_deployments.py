@@ -49,17 +49,20 @@ def covers(trigger, event: str, resource: str) -> bool:
 
 
 def test_serve_builds_three_deployments_from_the_cli_settings():
-    params, settings, _ = parse_args(FLAGS + ["--interval", "600"])
+    params, settings, _ = parse_args(FLAGS + ["--interval", "600", "--node", "GPU_3"])
     latest, on_publish, trainer = build_deployments(params, settings)
 
-    assert [latest.name, on_publish.name, trainer.name] == ["refit-latest", "refit-on-publish", "publish"]
+    # each node its own deployments, named after it (two nodes never claim each other's runs)
+    assert [latest.name, on_publish.name, trainer.name] == ["refit-latest-gpu-3", "refit-on-publish-gpu-3",
+                                                             "publish-gpu-3"]
     assert [latest.flow_name, on_publish.flow_name, trainer.flow_name] == ["refit", "refit", "publish"]
     assert latest.schedules[0].schedule.interval == timedelta(minutes=10)  # the configured schedule
-    assert latest.parameters == {"params": {**CONFIGURED, "target": "latest", "only_if_newer": True}}
+    assert latest.parameters == {"params": {**CONFIGURED, "node": "GPU_3", "target": "latest",
+                                            "only_if_newer": True}}
     assert not on_publish.schedules and not latest.triggers
     (trigger,) = on_publish.triggers
     assert trigger.expect == {EVENT}
-    assert trigger.parameters == {"params": {**CONFIGURED, "target": TEMPLATE, "only_if_newer": True}}
+    assert trigger.parameters == {"params": {**CONFIGURED, "node": "GPU_3", "target": TEMPLATE, "only_if_newer": True}}
     rendered = RefitParams.model_validate(as_event(trigger.parameters["params"], "r7"))
     assert (rendered.target, rendered.only_if_newer, rendered.catalog) == ("r7", True, "file:///srv/catalog")
     assert rendered.cache_dir == Path("/var/cache/refit")
@@ -134,12 +137,22 @@ def _yaml_config() -> dict:
     from prefect.utilities.templating import apply_values
 
     raw = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    return {d["name"]: apply_values(d, dict(os.environ), remove_notset=False) for d in raw["deployments"]}
+    applied = [apply_values(d, dict(os.environ), remove_notset=False) for d in raw["deployments"]]
+    return {d["name"]: d for d in applied}
+
+
+@pytest.mark.parametrize("suffix", [["--name-suffix", "-gpu3"], ["--name-suffix", "gpu3"], ["--name-suffix=-gpu3"],
+                                    ["--node", "gpu3"]])
+def test_the_documented_name_suffix_forms_name_the_deployments_after_the_node(suffix):
+    params, settings, _ = parse_args(FLAGS + suffix)
+    assert [d.name for d in build_deployments(params, settings)] == ["refit-latest-gpu3", "refit-on-publish-gpu3",
+                                                                      "publish-gpu3"]
 
 
 def test_prefect_yaml_defines_what_serve_defines(monkeypatch):
     monkeypatch.setenv("CANONICAL_REFIT_CATALOG", "file:///srv/catalog")
     monkeypatch.setenv("CANONICAL_REFIT_MODEL", "org/name")
+    monkeypatch.setenv("CANONICAL_REFIT_NODE", "gpu3")
     config = _yaml_config()
     params, settings, _ = parse_args(["--catalog", "file:///srv/catalog", "--model", "org/name"])
     latest, on_publish, trainer = build_deployments(params, settings)
@@ -150,14 +163,14 @@ def test_prefect_yaml_defines_what_serve_defines(monkeypatch):
         assert (ROOT / path).is_file()
         module = __import__(path.removesuffix(".py").replace("/", "."), fromlist=[name])
         assert getattr(module, name).name == served.flow_name
-    assert config["refit-latest"]["parameters"] == latest.parameters
-    assert config["refit-latest"]["schedules"] == [{"interval": settings.interval_s}]
-    assert config["refit-on-publish"]["parameters"] == on_publish.parameters
-    (spec,) = config["refit-on-publish"]["triggers"]
+    assert config["refit-latest-gpu3"]["parameters"] == latest.parameters
+    assert config["refit-latest-gpu3"]["schedules"] == [{"interval": settings.interval_s}]
+    assert config["refit-on-publish-gpu3"]["parameters"] == on_publish.parameters
+    (spec,) = config["refit-on-publish-gpu3"]["triggers"]
     (trigger,) = on_publish.triggers
     assert (spec["name"], set(spec["expect"])) == (trigger.name, trigger.expect)
     assert spec["match"] == trigger.match.model_dump() == {"prefect.resource.id": resource_id("org/name", "*")}
     assert spec["parameters"] == trigger.parameters  # the event template is left for the server
     assert spec["enabled"] is True
     queues = {name: d["work_pool"]["work_queue_name"] for name, d in config.items()}
-    assert queues == {"refit-latest": "refit", "refit-on-publish": "refit", "publish": "publish"}
+    assert queues == {"refit-latest-gpu3": "refit", "refit-on-publish-gpu3": "refit", "publish-gpu3": "publish"}

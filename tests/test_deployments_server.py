@@ -17,13 +17,15 @@ from pathlib import Path
 import pytest
 
 from deployments_support import (
-    PREFECT, PYTHON, ROOT, PrefectServer, artifacts_of, delete_deployments, emit_published, flip_tensor_byte,
-    publish, refit_runs, run, spawn, stop_process, tail, target_of, wait_for_final_run, wait_until,
+    artifacts_of, delete_deployments, emit_published, flip_tensor_byte, publish, refit_runs, run, spawn,
+    wait_for_final_run,
 )
 from flows.synthetic import random_model, train_step, write_checkpoint
 from lab import independent_digest, tiny_shape
 from storage.store.local_store import LocalStore
 from storage.urls import normalize_url
+from testbed.prefect_server import PREFECT, PrefectServer, target_of
+from testbed.processes import PYTHON, ROOT, stop_group, tail, wait_until
 
 pytestmark = pytest.mark.server
 MODEL = "lab/tiny"
@@ -77,19 +79,19 @@ def _active(run) -> bool:
 def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_path):
     trainer = Trainer(tmp_path / "trainer", steps=3)
     catalog, cache = normalize_url(str(tmp_path / "catalog")), tmp_path / "cache"
-    env = server.env(tmp_path / "client-home")
+    env = server.client_env(tmp_path / "client-home")
     state_dir = tmp_path / "publisher"
     log = tmp_path / "serve.log"
     serve = spawn([PYTHON, "-m", "deployments.serve", "--catalog", catalog, "--model", MODEL,
                    "--seed-checkpoint", str(trainer.launch), "--cache-dir", str(cache), "--installer", "none",
-                   "--apply-workers", "2", "--poll-seconds", str(POLL_S)], env, log)
+                   "--apply-workers", "2", "--poll-seconds", str(POLL_S), "--node", "lab1"], env, log)
     diagnostics = lambda: tail(log)  # noqa: E731
-    names = ["refit/refit-latest", "refit/refit-on-publish", "publish/publish"]
+    names = ["refit/refit-latest-lab1", "refit/refit-on-publish-lab1", "publish/publish-lab1"]
     try:
         with server.client() as client:
             deployments = wait_until("serve to register its deployments", lambda: _deployments(client, names),
                                      120, diagnostics=diagnostics)
-            on_publish, latest = deployments["refit/refit-on-publish"], deployments["refit/refit-latest"]
+            on_publish, latest = deployments["refit/refit-on-publish-lab1"], deployments["refit/refit-latest-lab1"]
             assert latest.schedules[0].schedule.interval == timedelta(hours=1)
             assert latest.parameters["params"]["target"] == "latest"
 
@@ -159,7 +161,7 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             printed = run([PYTHON, "-m", "deployments.serve", "--print-params", "--catalog", catalog, "--model",
                            MODEL, "--target", "r0"], env).strip().splitlines()[-1]
             assert set(json.loads(printed)["params"]) == {"catalog", "model", "target", "only_if_newer"}
-            run([PREFECT, "deployment", "run", "refit/refit-latest", "--params", printed], env)
+            run([PREFECT, "deployment", "run", "refit/refit-latest-lab1", "--params", printed], env)
             rollback = wait_for_final_run(client, latest.id, "r0", 120, diagnostics)
             assert rollback.state_name == "Ready", rollback.state.message
             assert LocalStore(cache, MODEL).active().version == "r0"
@@ -173,7 +175,7 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             for (_, end), (start, _) in combinations(spans, 2):
                 assert end <= start, spans
     finally:
-        stop_process(serve)
+        stop_group(serve)
         delete_deployments(server, names)  # leave the names free for the other test on this server
 
 
@@ -181,16 +183,17 @@ def test_prefect_yaml_deploys_to_a_process_work_pool(server, tmp_path):
     trainer = Trainer(tmp_path / "trainer", steps=1)
     model = "lab/yaml"
     catalog, cache = normalize_url(str(tmp_path / "catalog")), tmp_path / "cache"
-    env = server.env(tmp_path / "client-home")
+    env = server.client_env(tmp_path / "client-home")
     run([PREFECT, "work-pool", "create", "canonical-refit", "--type", "process", "--overwrite"], env)
     run([PREFECT, "work-queue", "create", "refit", "--pool", "canonical-refit", "--limit", "1"], env)
     run([PREFECT, "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"],
-        {**env, "CANONICAL_REFIT_CATALOG": catalog, "CANONICAL_REFIT_MODEL": model}, cwd=ROOT)
+        {**env, "CANONICAL_REFIT_CATALOG": catalog, "CANONICAL_REFIT_MODEL": model, "CANONICAL_REFIT_NODE": "yaml1"},
+        cwd=ROOT)
     log = tmp_path / "worker.log"
     worker_env = {**env, "CANONICAL_REFIT_SEED_CHECKPOINT": str(trainer.launch),
                   "CANONICAL_REFIT_CACHE_DIR": str(cache), "CANONICAL_REFIT_INSTALLER_KIND": "none",
-                  "PREFECT_WORKER_QUERY_SECONDS": "1"}
-    names = ["refit/refit-latest", "refit/refit-on-publish", "publish/publish"]
+                  "CANONICAL_REFIT_NODE": "yaml1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+    names = ["refit/refit-latest-yaml1", "refit/refit-on-publish-yaml1", "publish/publish-yaml1"]
     worker = spawn([PREFECT, "worker", "start", "--pool", "canonical-refit", "--work-queue", "refit",
                     "--limit", "1"], worker_env, log)
     diagnostics = lambda: tail(log)  # noqa: E731
@@ -201,12 +204,12 @@ def test_prefect_yaml_deploys_to_a_process_work_pool(server, tmp_path):
                 assert deployment.work_pool_name == "canonical-refit"
                 assert deployment.pull_steps == [
                     {"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
-            on_publish, latest = deployments["refit/refit-on-publish"], deployments["refit/refit-latest"]
+            on_publish, latest = deployments["refit/refit-on-publish-yaml1"], deployments["refit/refit-latest-yaml1"]
             assert latest.work_queue_name == on_publish.work_queue_name == "refit"
-            assert deployments["publish/publish"].work_queue_name == "publish"
+            assert deployments["publish/publish-yaml1"].work_queue_name == "publish"
             assert client.read_work_queue_by_name("refit", work_pool_name="canonical-refit").concurrency_limit == 1
-            assert latest.parameters == {"params": {"catalog": catalog, "model": model, "target": "latest",
-                                                    "only_if_newer": True}}
+            assert latest.parameters == {"params": {"catalog": catalog, "model": model, "node": "yaml1",
+                                                    "target": "latest", "only_if_newer": True}}
 
             # the published event reaches the yaml's trigger, and the worker runs the refit
             publish(env, catalog, model, trainer.folders[0], tmp_path / "publisher", "--kind", "initial")
@@ -215,9 +218,82 @@ def test_prefect_yaml_deploys_to_a_process_work_pool(server, tmp_path):
             assert ready.state.message == f"r0 {trainer.digest(0)}"
 
             # triggered by hand: the scheduled deployment finds nothing newer
-            run([PREFECT, "deployment", "run", "refit/refit-latest"], env)
+            run([PREFECT, "deployment", "run", "refit/refit-latest-yaml1"], env)
             skipped = wait_for_final_run(client, latest.id, "latest", 120, diagnostics)
             assert skipped.state_name == "Skipped", skipped.state.message
     finally:
-        stop_process(worker, timeout_s=5)
+        stop_group(worker, timeout_s=5)
         delete_deployments(server, names)  # leave the names free for the other test on this server
+
+
+@pytest.mark.parametrize("point", ["fetch.file", "apply.materialized", "activate.written"])
+def test_cancelling_a_run_from_prefect_never_leaves_it_cancelling(server, tmp_path, point):
+    """What the UI's Cancel button does (`prefect flow-run cancel`). During the fetch or the apply the run
+    ends Cancelled (named Interrupted), the store goes back to the installed version through the interrupted
+    path, and the next run is Ready. A cancellation that arrives once the new version is activated ends the
+    run Ready, as it is. Either way the server never keeps the run Cancelling."""
+    trainer = Trainer(tmp_path / "trainer", steps=2)
+    model = "lab/cancel"
+    catalog, cache = normalize_url(str(tmp_path / "catalog")), tmp_path / "cache"
+    env = server.client_env(tmp_path / "client-home")
+    state_dir, gate = tmp_path / "publisher", tmp_path / "go"
+    assert publish(env, catalog, model, trainer.folders[0], state_dir, "--kind", "initial",
+                   "--no-event")["version"] == "r0"
+    log = tmp_path / "serve.log"
+    node = "cancel-" + point.replace(".", "-")
+    serve = spawn([PYTHON, "-m", "deployments.serve", "--catalog", catalog, "--model", model, "--node", node,
+                   "--seed-checkpoint", str(trainer.launch), "--cache-dir", str(cache), "--installer", "none",
+                   "--apply-workers", "2", "--poll-seconds", str(POLL_S)],
+                  {**env, "CANONICAL_REFIT_KILLPOINT_GATE": f"{point}:{gate}"}, log)
+    diagnostics = lambda: tail(log)  # noqa: E731
+    names = [f"refit/refit-latest-{node}", f"refit/refit-on-publish-{node}", f"publish/publish-{node}"]
+    try:
+        with server.client() as client:
+            deployments = wait_until("serve to register its deployments", lambda: _deployments(client, names),
+                                     120, diagnostics=diagnostics)
+            on_publish, latest = deployments[names[1]], deployments[names[0]]
+            if point == "activate.written":  # the start-up refit (seeding r0) activates too: let it pass
+                gate.touch()
+            startup = wait_for_final_run(client, latest.id, "latest", 120, diagnostics)
+            assert startup.state_name == "Ready" and LocalStore(cache, model).active().version == "r0"
+            if point == "activate.written":
+                gate.unlink()
+                stop_group(serve)  # a fresh agent, whose gate holds its first activation (r1's)
+                serve = spawn(serve.args, {**env, "CANONICAL_REFIT_KILLPOINT_GATE": f"{point}:{gate}"}, log)
+                wait_until("the agent to start again", lambda: "node agent ready" in log.read_text(), 120,
+                           diagnostics=diagnostics)
+
+            assert publish(env, catalog, model, trainer.folders[1], state_dir)["version"] == "r1"
+            held = wait_until(f"the refit to r1 to be held at {point}", lambda: [
+                r for r in refit_runs(client, on_publish.id) if target_of(r) == "r1"
+                and r.state_type and r.state_type.value == "RUNNING"], 120, diagnostics=diagnostics)[0]
+            run([PREFECT, "flow-run", "cancel", str(held.id)], env)
+            wait_until("the server to say Cancelling", lambda: client.read_flow_run(held.id).state_type.value
+                       in ("CANCELLING", "CANCELLED"), 30, diagnostics=diagnostics)
+            if point != "activate.written":  # the agent saw the cancellation before the held step goes on
+                wait_until("the agent to see the cancellation", lambda: "is being cancelled" in log.read_text(), 30,
+                           diagnostics=diagnostics)
+            gate.touch()
+
+            ended = wait_until("the cancelled run to end", lambda: (lambda r: r.state_type.value not in (
+                "RUNNING", "CANCELLING", "PENDING") and r)(client.read_flow_run(held.id)), 60,
+                diagnostics=diagnostics)
+            store = LocalStore(cache, model)
+            if point == "activate.written":  # activated before the stop could matter: it is Ready, and says so
+                assert (ended.state_type.value, ended.state_name) == ("COMPLETED", "Ready"), ended.state
+                assert store.active().version == "r1"
+                return
+            assert (ended.state_type.value, ended.state_name) == ("CANCELLED", "Interrupted"), ended.state
+            assert "cancelled from Prefect" in ended.state.message, ended.state.message
+            assert store.active().version == "r0" and store.poisoned() is None
+            assert "failed after the store changed" not in log.read_text()
+
+            run([PREFECT, "deployment", "run", names[0]], env)
+            ready = wait_until("the next refit to r1", lambda: [
+                r for r in refit_runs(client, latest.id) if r.created > ended.created
+                and r.state_type and r.state_type.value == "COMPLETED"], 120, diagnostics=diagnostics)[0]
+            assert ready.state_name == "Ready" and ready.state.message == f"r1 {trainer.digest(1)}", ready.state
+            assert LocalStore(cache, model).active().version == "r1"
+    finally:
+        stop_group(serve)
+        delete_deployments(server, names)

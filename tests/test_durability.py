@@ -113,3 +113,27 @@ def test_an_unflushed_checkpoint_intact_across_a_restart_is_re_verified_and_reus
     assert any("re-verified r1 after a restart" in note for note in result.notes), result.notes
     assert result.lineage == ["r1", "r2"]  # the re-verified checkpoint was the starting point
     lab.assert_checkpoint(Path(result.checkpoint_path), "r2")
+
+
+def test_after_a_power_loss_the_deployments_refit_does_not_skip_a_version_the_store_lost(flow_lab, monkeypatch,
+                                                                                         tmp_path):
+    """Recovery forgets the unflushed r1; the next `--target latest --only-if-newer` rebuilds and re-installs it
+    instead of skipping "r1 is not newer than the installed r1", and says why in its notes."""
+    lab = flow_lab
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    for kind in ("initial", "delta"):
+        lab.publish(kind)
+    engine = cs.RecordingEngine(tmp_path / "engine.json")
+    assert lab.run(engine, target="r1").status == "READY"
+    wait_for_flushes(60)
+    _as_if_power_failed_before_the_flush(lab, "r1")
+    _flip_a_byte_keeping_identity(lab.store_root / "materialized" / "r1")
+
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")  # the machine restarted
+    result = lab.run(engine, target="latest", only_if_newer=True)
+    assert result.status == "READY", result.error
+    assert any("forgot r1" in note for note in result.notes), result.notes  # the recovery note is kept
+    assert any("no longer holds its verified checkpoint" in note for note in result.notes), result.notes
+    lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
+    assert engine.loads()[-1]["bytes"] == independent_digest(lab.expected("r1"))[1]
+    assert lab.run(engine, target="latest", only_if_newer=True).status == "SKIPPED"

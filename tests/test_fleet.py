@@ -18,7 +18,7 @@ from itertools import pairwise
 import pytest
 
 from fleet_support import (  # noqa: F401 - fleet_server is a fixture
-    MODEL, SHAPE, Fleet, Inbox, create_poisoned_alert, fleet_server, spans,
+    MODEL, SHAPE, ZOMBIE_AFTER_S, Fleet, Inbox, create_poisoned_alert, fleet_server, spans,
 )
 from s3_support import s3  # noqa: F401  (s3 is a fixture)
 from sglang_mock import MockSGLang
@@ -130,17 +130,40 @@ def test_one_publication_reaches_every_node(fleet_server, s3, tmp_path):
                 (run,) = fleet.final_runs(name, "r4")
                 assert run.state_name == "Ready", run.state.message
             assert node2.active_version() == "r2" and node2.store().state().status == "UPDATING"
+            # the server itself closes the orphan: its flow-run heartbeats stopped (Prefect's zombie automation,
+            # which every agent makes sure exists), whatever host the node comes back on, or if it never does
+            orphan = wait_until("the server to mark node2's orphaned run Crashed", lambda: next(
+                (r for r in fleet.runs("node2", ("on_publish",)) if r.id == interrupted.id
+                 and r.state_type.value == "CRASHED"), None), ZOMBIE_AFTER_S + 60, every_s=1.0,
+                diagnostics=fleet.diagnostics)
+            assert "no heartbeat" in orphan.state.message, orphan.state
             restarted = datetime.now(timezone.utc)
             node2.start()
             (caught_up,) = fleet.final_runs("node2", "latest", which=("latest",), since=restarted)
             assert caught_up.state_name == "Ready" and caught_up.state.message.startswith("r4 ")
             assert node2.active_version() == "r4" and node2.store().state().status == "READY"
-            orphan = [r for r in fleet.runs("node2", ("on_publish",)) if r.id == interrupted.id][0]
-            assert orphan.state_type.value == "CRASHED", orphan.state  # the restarted agent closed it
             stores = _stores(fleet)
             assert {version for version, _ in stores.values()} == {"r4"}
             view = _view(fleet)
             assert {name: (view[name]["version"], view[name]["digest"]) for name in NODES} == stores
+
+            # -- node3's engine restarts on its launch weights: the agent's heartbeat sees the drift (the node's
+            # record and event say DRIFTED) and heals the node by itself: a re-install of the verified r4 --------
+            engine_restarted = datetime.now(timezone.utc)
+            engine.restart()
+            healed = wait_until("node3's agent to heal the drift by itself", lambda: [
+                r for r in fleet.runs("node3", ("latest",)) if r.created > engine_restarted and is_final(r)], 60,
+                every_s=0.5, diagnostics=fleet.diagnostics)
+            assert healed[-1].state_name == "Ready" and healed[-1].state.message.startswith("r4 "), healed[-1].state
+            assert engine.weight_version == "r4" and node3.active_version() == "r4"
+            assert any("refitting to heal" in line for line in node3.diagnostics().splitlines())
+            drift = fleet.events("canonical-refit.node.drifted", since=engine_restarted)
+            assert [e.resource.name for e in drift] == ["node3"]
+            # the beat that saw it found the engine restarting (no answer) or back on its launch weights
+            assert drift[0].payload["engines"][engine.url] in (None, "default"), drift[0].payload
+            assert _view(fleet)["node3"]["engines"] == {engine.url: "r4"}
+            code, waited = fleet.fleet("wait", "--version", "r4", "--timeout", "60")
+            assert (code, sorted(waited["reached"])) == (0, list(NODES))
 
             # -- a node whose engine breaks is Poisoned: the view, wait and an alert say so ---------------
             create_poisoned_alert(fleet_server, MODEL, alerts.url)  # the automation of docs/fleet.md

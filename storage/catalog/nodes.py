@@ -3,8 +3,11 @@
 After every refit — Ready, Skipped, Failed, Poisoned or Interrupted, however
 it was started — the node writes one small JSON object,
 ``{catalog}/../nodes/{model with / as --}/{node}.json``, replacing its
-previous one; only that node ever writes it. A fleet view lists them
-(``flows/fleet.py``); the format is in docs/format.md, "Node status records".
+previous one; only that node ever writes it (and ``forget`` removes it). A
+node agent also refreshes it every ``heartbeat_s`` while it runs, asking the
+engines what they run, so an idle live node and a dead one never look alike.
+A fleet view lists them (``flows/fleet.py``); the format is in
+docs/format.md, "Node status records".
 """
 
 from __future__ import annotations
@@ -25,15 +28,20 @@ SCHEMA = "canonical-refit.node.v1"
 MAX_RECORD_BYTES = 1 * 2**20
 
 
+STALE, DRIFTED = "STALE", "DRIFTED"
+STALE_AFTER_BEATS = 3  # a node with a heartbeat is stale once this many beats are missed
+
+
 @dataclass(frozen=True)
 class NodeRecord:
-    """One node's status: its installed identity and the outcome of its last refit."""
+    """One node's status: what its engines run, what its store installed, how its last refit ended, and when
+    it was last known alive."""
 
     node: str
     model: str
-    version: str | None  # installed (active) version, None before the first install
+    version: str | None  # the version every engine confirmed running; None if they disagree or before any install
     digest: str | None
-    status: str  # of the last run: READY, SKIPPED, FAILED, POISONED or INTERRUPTED
+    status: str  # of the last run (READY, SKIPPED, FAILED, POISONED, INTERRUPTED), or DRIFTED from a heartbeat
     target: str | None = None
     error: str | None = None
     stages: dict = field(default_factory=dict)  # stage name -> seconds
@@ -41,6 +49,10 @@ class NodeRecord:
     attempts: int = 1
     updated_at_unix_ms: int = 0
     launch_files: str | None = None  # digest of the launch snapshot's non-weight files the installed checkpoint holds
+    store_version: str | None = None  # what the store records as installed (active.json)
+    engines: dict = field(default_factory=dict)  # engine URL -> the version it reports (None: no answer)
+    alive_at_unix_ms: int = 0  # the last sign of life: a run's end or a heartbeat
+    heartbeat_s: float | None = None  # how often the node's agent refreshes the record; None: no agent
     schema: str = SCHEMA
 
     def to_json(self) -> dict:
@@ -48,7 +60,28 @@ class NodeRecord:
 
     @property
     def age_s(self) -> float:
-        return max(0.0, time.time() - self.updated_at_unix_ms / 1000)
+        """Seconds since the node was last known alive."""
+        return max(0.0, time.time() - max(self.alive_at_unix_ms, self.updated_at_unix_ms) / 1000)
+
+    def stale(self, after_s: float | None = None) -> bool:
+        """Not seen alive within ``after_s`` (default: three heartbeats; a node without an agent never goes
+        stale by default: nothing promised to refresh it)."""
+        if after_s is None:
+            if not self.heartbeat_s:
+                return False
+            after_s = STALE_AFTER_BEATS * self.heartbeat_s
+        return self.age_s > after_s
+
+    def condition(self, stale_after_s: float | None = None) -> str:
+        """What a reader acts on: POISONED, STALE (not seen alive), DRIFTED (store and engines disagree), or
+        the last run's status."""
+        if self.status == "POISONED":
+            return "POISONED"
+        if self.stale(stale_after_s):
+            return STALE
+        if self.status == DRIFTED or (self.store_version is not None and self.version != self.store_version):
+            return DRIFTED
+        return self.status
 
 
 def nodes_url(catalog: str, model: str) -> str:
@@ -65,8 +98,15 @@ def write_node_record(objects: ObjectStore, catalog: str, record: NodeRecord) ->
     return url
 
 
-def read_node_records(objects: ObjectStore, catalog: str, model: str, *,
-                      workers: int | None = None) -> tuple[list[NodeRecord], list[str]]:
+def delete_node_record(objects: ObjectStore, catalog: str, model: str, node: str) -> bool:
+    """Retire ``node`` from the fleet view (its record object removed); False if it had none."""
+    if not re.match(NODE_PATTERN, node):
+        raise FormatError(f"node name {node!r} is not a valid id", field="node")
+    return objects.delete(join_url(nodes_url(catalog, model), f"{node}.json"))
+
+
+def read_node_records(objects: ObjectStore, catalog: str, model: str, *, workers: int | None = None,
+                      only: str | None = None) -> tuple[list[NodeRecord], list[str]]:
     """Every node's record of ``model`` (sorted by node), and the objects that could not be read, in words.
 
     The records are read ``workers`` at a time (default: the object store's connection budget): a fleet of
@@ -86,7 +126,10 @@ def read_node_records(objects: ObjectStore, catalog: str, model: str, *,
         except (ValueError, TypeError, AttributeError) as exc:
             return f"{url}: {exc}"
 
-    names = objects.list_names(base, ".json")
+    if only is not None:  # one node's own record: no listing
+        names = [f"{only}.json"] if objects.exists(join_url(base, f"{only}.json")) else []
+    else:
+        names = objects.list_names(base, ".json")
     if len(names) <= 1:
         outcomes = [read(name) for name in names]
     else:

@@ -223,6 +223,7 @@ class LocalStore:
             "state": _labelled_files(asdict(state)) if state else None,
             "active": _labelled_files(asdict(active)) if active else None,
             "poisoned": asdict(poisoned) if poisoned else None,
+            "installing": asdict(fence) if (fence := self.fence()) else None,
             "verified": sorted(self.inventory()),
             "launch_files": launch_files.describe(self.root),
             "bytes": tree_size(self.root),
@@ -355,7 +356,31 @@ class LocalStore:
         """The engine may hold partial weights: refuse installs until a re-install through ``installer``."""
         mark = PoisonedMark(reason, version, installer, tuple(engine_urls), now_ms())
         atomic_write_json(self.poisoned_path, asdict(mark) | {"engine_urls": list(mark.engine_urls)})
+        self.lift_fence()  # the mark says everything the fence did, and more
         return mark
+
+    # -- the install fence: an install in progress, durably -----------------------------------------
+
+    @property
+    def fence_path(self) -> Path:
+        return self.root / "installing.json"
+
+    def fence_install(self, version: str, installer: str, engine_urls: tuple[str, ...] = ()) -> PoisonedMark:
+        """Before the first engine is called: durably note that ``version`` is being installed (a process killed
+        inside the install leaves the engines possibly mixed; the next run re-installs first)."""
+        fence = PoisonedMark(f"installing {version}", version, installer, tuple(engine_urls), now_ms())
+        atomic_write_json(self.fence_path, asdict(fence) | {"engine_urls": list(fence.engine_urls)})
+        return fence
+
+    def lift_fence(self) -> None:
+        """Every engine confirmed (or none was touched): the install is over."""
+        if self.fence_path.exists():
+            self.fence_path.unlink()
+            fsync_dir(self.root)
+
+    def fence(self) -> PoisonedMark | None:
+        """The install in progress when its process ended, if any."""
+        return read_record(PoisonedMark, self.fence_path)
 
     def clear_poisoned(self) -> None:
         if self.poisoned_path.exists():

@@ -28,6 +28,26 @@ class InstallRequest:
 
 
 @dataclass(frozen=True)
+class EngineReport:
+    """What one engine says it runs: its ``version`` (SGLang's ``weight_version``; None: no answer)."""
+
+    url: str
+    version: str | None
+    detail: str = ""  # the engine's model path, or why it did not answer
+
+
+def engine_reports(installer) -> tuple[EngineReport, ...]:
+    """``installer.observe()``; an installer of the caller's own without it reports no engine."""
+    observe = getattr(installer, "observe", None)
+    return tuple(observe()) if observe is not None else ()
+
+
+def confirmed(reports: tuple[EngineReport, ...], version: str) -> bool:
+    """Every engine runs ``version`` (an installer with no engine has nothing to disagree)."""
+    return all(report.version == version for report in reports)
+
+
+@dataclass(frozen=True)
 class InstallOutcome:
     """What the engine(s) reported."""
 
@@ -44,6 +64,9 @@ class Installer(Protocol):
     def is_current(self, identity: ActiveIdentity) -> bool:
         """True if the engine already runs ``identity`` (so installing again can be skipped)."""
 
+    def observe(self) -> tuple[EngineReport, ...]:
+        """What each engine runs now, as it reports it (the truth a node record and a skip rely on)."""
+
 
 class NoEngineInstaller:
     """Prepare, verify and activate without an engine: records the installed identity only."""
@@ -56,3 +79,6 @@ class NoEngineInstaller:
 
     def is_current(self, identity: ActiveIdentity) -> bool:
         return True
+
+    def observe(self) -> tuple[EngineReport, ...]:
+        return ()

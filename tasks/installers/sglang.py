@@ -39,7 +39,7 @@ from storage.errors import InstallError, PoisonedError
 from storage.store.local_store import ActiveIdentity, LocalStore, now_ms
 from storage.store.locks import StoreLock
 from storage.settings import InstallerSettings
-from tasks.installers.base import InstallOutcome, InstallRequest
+from tasks.installers.base import EngineReport, InstallOutcome, InstallRequest, confirmed
 
 log = logging.getLogger("canonical_refit.install")
 T = TypeVar("T")
@@ -49,6 +49,7 @@ EMPTY_TENSOR_LIST = base64.b64encode(pickle.dumps([])).decode("ascii")
 # update_weights_from_disk failures SGLang reports before it touches weights (notes, section 2b, steps 5-6)
 _DISK_SETUP_FAILURES = ("Failed to get model loader", "Failed to get weights iterator")
 SETTLE_MAX_S = 30.0
+OBSERVE_TIMEOUT_S = 10.0
 
 
 # -- HTTP ------------------------------------------------------------------------------------------------
@@ -138,15 +139,24 @@ class _SGLangBase:
         self.settings = settings
         self.engine_urls = tuple(settings.engine_urls)
         self.engines = [EngineClient(url, settings.timeout_s, settings.api_key) for url in settings.engine_urls]
+        # reading what an engine runs must be quick (a heartbeat asks every half minute); installs may take long
+        self._readers = [EngineClient(url, min(OBSERVE_TIMEOUT_S, settings.timeout_s), settings.api_key)
+                         for url in settings.engine_urls]
+
+    def observe(self) -> tuple[EngineReport, ...]:
+        """What each engine says it runs: the ``weight_version`` and ``model_path`` of ``GET /model_info``."""
+
+        def ask(engine: EngineClient) -> EngineReport:
+            reply = engine.call("GET", "/model_info")
+            if reply.status == 200 and isinstance(reply.body, dict):
+                return EngineReport(engine.url, reply.body.get("weight_version"), str(reply.body.get("model_path")))
+            return EngineReport(engine.url, None, f"no answer ({reply.describe()})")
+
+        return tuple(each(self._readers, ask))
 
     def is_current(self, identity: ActiveIdentity) -> bool:
         """True if every engine reports ``weight_version`` = the installed version."""
-        try:
-            return all(info.get("weight_version") == identity.version
-                       for info in each(self.engines, lambda e: e.get_json("/model_info")))
-        except InstallError as exc:
-            log.info("cannot confirm the engines run %s: %s", identity.version, exc)
-            return False
+        return confirmed(self.observe(), identity.version)
 
     def _install_lock(self, store: LocalStore) -> StoreLock:
         """Serializes installers of one store (two receivers must not swap each other's request)."""
