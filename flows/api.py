@@ -18,10 +18,11 @@ arguments come from the same ``CANONICAL_REFIT_*`` environment variables.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from flows.fleet import FleetView, WaitOutcome, fleet_status, wait_for
+from flows.fleet import FleetView, WaitOutcome, fleet_status, forget, wait_for
 from flows.report import READY, SKIPPED, RefitResult
 from storage.catalog.records import Revision
 from storage.errors import RefitError
@@ -31,7 +32,7 @@ from storage.settings import InstallerSettings, ObjectStoreSettings, PublishPara
 if TYPE_CHECKING:
     from flows.publish import PublishResult
 
-__all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "FleetView", "WaitOutcome", "RefitResult",
+__all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "forget", "FleetView", "WaitOutcome", "RefitResult",
            "Revision"]
 
 
@@ -81,7 +82,24 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
             source = memory_checkpoint(checkpoint, revision=version)
         except RefitError as exc:
             raise exc.with_context(revision=version or _next_version(params)) from None
-    return run_publish(params, source=source, keep_base=keep_base)
+    try:
+        return run_publish(params, source=source, keep_base=keep_base)
+    except RefitError as exc:
+        raise in_python_terms(exc) from exc.__cause__
+
+
+def in_python_terms(exc: RefitError) -> RefitError:
+    """The same error, naming ``publish``'s arguments (``base_checkpoint=``, ``kind="full"``) where the message
+    names the command line's flags (``--base-checkpoint``, ``--kind full``)."""
+    from flows.publish import PUBLISH_FLAGS
+
+    reason = re.sub(r"(?<![\w-])--kind (initial|full|delta)\b", r'kind="\1"', exc.reason)
+    for flag in sorted(PUBLISH_FLAGS, key=lambda f: -len(f.option())):
+        reason = re.sub(rf"(?<![\w-]){re.escape(flag.option())}(?![\w-])", f"{flag.path.rsplit('.', 1)[-1]}=",
+                        reason)
+    exc.reason = reason
+    exc.args = (exc._render(),)
+    return exc
 
 
 def _next_version(params: PublishParams) -> str | None:

@@ -34,7 +34,8 @@ from prefect import flow  # noqa: E402
 from storage.catalog.records import Catalog, Revision  # noqa: E402
 from storage.format.checkpoint import CheckpointIndex, require_same_layout  # noqa: E402
 from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
-from storage.urls import join_url  # noqa: E402
+from storage.killpoints import killpoint  # noqa: E402
+from storage.urls import join_url, parent_url  # noqa: E402
 from storage.catalog.kept_base import KEEP_BASES, PublisherCopy  # noqa: E402
 from storage.catalog.publisher import (  # noqa: E402
     Payload, Snapshot, existing_record, make_record, next_sequence, same_publication, snapshot_of, source_label,
@@ -118,35 +119,63 @@ def plan_revision(pub: Publisher, source: MemoryCheckpoint | None = None, keep_b
     target = source if source is not None else CheckpointIndex.open(params.checkpoint, revision=label)
     base, base_snapshot = None, None
     if params.kind == "delta":
+        kept = PublisherCopy(params.state_dir, params.model, keep_base=keep_base)
         base = catalog.read(params.base_version) if params.base_version else latest
         if existing is not None:
             base = catalog.read(existing.base_version) if existing.base_version else base
+        elif params.base_version is None and params.base_checkpoint is None:
+            base = _kept_base_in_catalog(catalog, kept, latest, label)
         if params.base_checkpoint is not None:
             base_snapshot = snapshot_of(params.base_checkpoint, base.checksum_format, workers=params.workers)
             if base_snapshot.target_digest != base.target_digest:
                 raise LineageError(f"--base-checkpoint hashes to {base_snapshot.target_digest}, not the "
-                                   f"target_digest of {base.version}", revision=label,
-                                   file=str(params.base_checkpoint))
+                                   f"target_digest of the base revision {base.version}", revision=label,
+                                   file=str(params.base_checkpoint), field="base_checkpoint")
         else:
-            base_snapshot = PublisherCopy(params.state_dir, params.model, keep_base=keep_base).base_for(
-                base, workers=params.workers)
+            base_snapshot = kept.base_for(base, workers=params.workers, publishing=label)
         require_same_layout(base_snapshot.index.layout(), target.layout(), revision=label,
                             file=source_label(target))
     if existing is not None:
         version = existing.version
     else:
-        sequence, version = claim_sequence(catalog, sequence, params.version)
+        sequence, version = claim_sequence(catalog, sequence, params.version, pub.publication)
     return Publication(version, sequence, base, base_snapshot, target, existing)
 
 
-def claim_sequence(catalog: Catalog, sequence: int, version: str | None, *, attempts: int = 64) -> tuple[int, str]:
-    """Claim the first free sequence from ``sequence`` on (create-only), so no two records ever share one."""
+def _kept_base_in_catalog(catalog: Catalog, kept: PublisherCopy, latest: Revision, label: str) -> Revision:
+    """The base of a delta when none was named: the latest revision, or the revision the publisher's kept copy
+    is, if that is an older one of the catalog (a publisher killed after writing its record, before keeping
+    its copy: the next delta goes against the copy it has, a valid exact base, instead of failing)."""
+    version = kept.kept_version()
+    if version is None or version == latest.version:
+        return latest
+    try:
+        base = catalog.read(version)
+    except RefitError:
+        return latest  # a copy of something the catalog does not hold: base_for names the mismatch
+    log.warning("the publisher's kept copy is %s, not the latest revision %s (a publication that did not keep its "
+                "copy, e.g. a crashed publisher): publishing %s as a delta against %s", version, latest.version,
+                label, version)
+    return base
+
+
+def claim_sequence(catalog: Catalog, sequence: int, version: str | None, publication: str, *,
+                   attempts: int = 64) -> tuple[int, str]:
+    """Claim the first free sequence from ``sequence`` on (create-only), so no two records ever share one.
+
+    A sequence claimed by another publication is skipped, whatever version it
+    names: a live publisher owns it, and a crashed one's claim (and its
+    payload) is left behind, never reused. A default version name follows
+    the sequence (``r{n}``).
+    """
     for candidate in range(sequence, sequence + attempts):
         name = version or f"r{candidate}"
-        holder = catalog.claim_sequence(candidate, name)
-        if holder == name:
+        holder, token = catalog.claim_sequence(candidate, name, publication)
+        if token == publication:
+            killpoint("publish.claimed", name)
             return candidate, name
-        log.info("sequence %d is already claimed by %s; trying %d", candidate, holder, candidate + 1)
+        log.info("sequence %d is already claimed by another publication of %s; trying %d", candidate, holder,
+                 candidate + 1)
     raise ImmutableConflict(f"sequences {sequence} to {sequence + attempts - 1} are all claimed by other "
                             "publications", file=catalog.url, field="sequence")
 
@@ -227,7 +256,11 @@ def put_publication(pub: Publisher, payload: Payload | None, url: str, record: R
 
     def put() -> tuple[int, bool]:
         attempts.append(1)
-        return UPLOAD_PAYLOAD(pub, payload, url).bytes, WRITE_RECORD(pub, record)
+        written = UPLOAD_PAYLOAD(pub, payload, url).bytes
+        killpoint("publish.uploaded", record.version)
+        created = WRITE_RECORD(pub, record)
+        killpoint("publish.recorded", record.version)
+        return written, created
 
     written, created = retried(pub.params, f"publishing {record.version}", put)
     return written, created, len(attempts)
@@ -274,7 +307,20 @@ def _publish(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, st
         if plan.existing is not None and not same_publication(plan.existing, record):
             raise ImmutableConflict("a different revision is already published under this version",
                                     revision=plan.version, file=catalog.record_url(plan.version))
-        written, created, attempts = put_publication(pub, payload, url, record)
+        try:
+            written, created, attempts = put_publication(pub, payload, url, record)
+        except ImmutableConflict as exc:
+            if payload is None or not (exc.file or "").startswith(url + "/") or plan.existing is not None:
+                raise
+            # objects of a publication that never wrote its record (a crashed publisher) hold this prefix: they
+            # are never referenced, so this publication's payload goes beside them, under a prefix of its own
+            fresh = join_url(pub.payload_root, f"{plan.version}.{pub.publication[:12]}")
+            log.warning("%s holds objects of a publication of %s that never wrote its record; publishing under "
+                        "%s instead (the orphaned objects are reclaimable: docs/object-storage.md)", url,
+                        plan.version, fresh)
+            url = fresh
+            record = Revision.model_validate(record.to_json() | {"uri": join_url(fresh, payload.index_name)})
+            written, created, attempts = put_publication(pub, payload, url, record)
     if params.emit_event:
         if in_flow_run() or configured_api_url():
             emit_published(record, catalog)
@@ -329,13 +375,56 @@ def parse_args(argv: list[str]) -> tuple[PublishParams, bool]:
         parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
 
 
+def orphans_main(argv: list[str]) -> int:
+    """``python -m flows.publish orphans``: list (or ``--delete``) payloads no record references."""
+    from storage.catalog.orphans import find_orphans
+    from storage.objects.store import ObjectStore
+    from storage.settings import ObjectStoreSettings
+
+    parser = argparse.ArgumentParser(prog="python -m flows.publish orphans", description=(
+        "List the payload folders no catalog record references (left by publishers that crashed before their "
+        "record) and older than a grace period; --delete reclaims them."))
+    parser.add_argument("--catalog", required=True, help="catalog URL: s3://bucket/prefix, file:///path")
+    parser.add_argument("--model", required=True, help="model id, e.g. org/name")
+    parser.add_argument("--payload-url", help="where payloads go (default: revisions/ beside the catalog)")
+    parser.add_argument("--older-than-hours", type=float, default=24.0,
+                        help="only folders whose newest object is at least this old (default 24: a publication "
+                             "in progress is never counted)")
+    parser.add_argument("--delete", action="store_true", help="delete the orphaned folders")
+    parser.add_argument("--s3-endpoint-url", help="S3 endpoint (default: the AWS environment)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    storage = ObjectStoreSettings(**({"endpoint_url": args.s3_endpoint_url} if args.s3_endpoint_url else {}))
+    objects = ObjectStore.shared(storage)
+    catalog = Catalog(objects, args.catalog, args.model)
+    root = args.payload_url or join_url(parent_url(catalog.url), "revisions")
+    try:
+        found = find_orphans(objects, catalog, root, older_than_s=args.older_than_hours * 3600)
+        for orphan in found if args.delete else ():
+            objects.delete_tree(orphan.url)
+    except RefitError as exc:
+        print(json.dumps({"error": str(exc)}) if args.json else f"error: {exc}")
+        return 1
+    if args.json:
+        print(json.dumps({"orphans": [asdict(o) for o in found], "deleted": args.delete}, sort_keys=True))
+    else:
+        for orphan in found:
+            print(f"{'deleted' if args.delete else 'orphan'}: {orphan.url} ({orphan.objects} objects, "
+                  f"{orphan.bytes:,} bytes, newest {orphan.age_s / 3600:.1f} h old)")
+        print(f"{len(found)} orphaned payload folder(s) under {root}" + (", deleted" if args.delete and found else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from flows.prefect_api import prefect_api
 
     from flows.report import quiet_expected_errors
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["orphans"]:
+        return orphans_main(argv[1:])
     quiet_expected_errors()
-    params, as_json = parse_args(list(sys.argv[1:] if argv is None else argv))
+    params, as_json = parse_args(argv)
     with prefect_api():
         state = publish(params, return_state=True)
     value = state.result(raise_on_failure=False)

@@ -42,7 +42,8 @@ POINTS = (
     "apply.block",        # in the middle of patching tensors
     "verify.before_ready",  # digest verified, READY not yet written
     "verify.recorded",    # verified record and chain written, READY not yet written
-    "install.before",     # inside the fence, engine not yet called
+    "install.before",     # inside the shared lock, the install fence not yet written
+    "install.fenced",     # the install fence written, engine not yet called
     "install.after",      # engine loaded, active.json not yet written
     "activate.written",   # active.json written
     "recover.discarded",  # recovery removed a half-written checkpoint, state not yet repointed
@@ -52,6 +53,13 @@ POINTS = (
 # reached only when a run fails: traced and gated like the others, not part of the happy-path harness
 FAILURE_POINTS = (
     "rollback.start",     # a failed update is about to be rolled back (after the fetch was joined)
+)
+PUBLISH_POINTS = (        # the publisher's (tests/crash_publish.py)
+    "publish.claimed",    # the sequence claimed, nothing uploaded
+    "publish.file",       # one payload object uploaded (the others, the index and the record not yet)
+    "publish.uploaded",   # every payload object and the index uploaded, the record not yet written
+    "publish.recorded",   # the record written, the publisher's kept copy not yet replaced
+    "publish.kept_staged",  # the new kept copy complete in its folder, last.json not yet switched to it
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -26,6 +27,7 @@ class Publisher:
         self.catalog = Catalog(self.objects, params.catalog, params.model)
         self.stop = (stop or current_stop.get()).child()
         self.ledger = Ledger(PUBLISH_STAGES, log=log)
+        self.publication = uuid.uuid4().hex  # this run's token: its sequence claim and nothing else's
 
     @property
     def payload_root(self) -> str:

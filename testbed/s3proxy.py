@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
 from urllib.parse import urlsplit
+from xml.sax.saxutils import escape
 
 FAULT_KINDS = ("slowdown", "error500", "reset", "stall", "truncate")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
@@ -66,6 +67,8 @@ class Faults:
     strip_conditional: bool = False  # drop If-None-Match/If-Match: a server that overwrites silently
     get_latency_s: float = 0.0    # hold object GETs this long (makes concurrent fetches overlap) ...
     latency_suffix: str = ""      # ... those whose path ends with this; counted in max_in_flight_gets
+    corrupt_puts: tuple[str, ...] = ()  # the first PUT whose path contains one of these has a byte flipped
+    verify_checksums: bool = False  # as S3 does: a PUT whose body does not match its checksum header -> BadDigest
 
 
 @dataclass
@@ -82,6 +85,7 @@ class Request:
     received: int = 0
     started: float = 0.0
     ended: float | None = None
+    checksum: str | None = None  # the integrity header a write carried (x-amz-checksum-*, Content-MD5)
 
 
 def peak_open(requests: list[Request]) -> int:
@@ -119,6 +123,7 @@ class FaultProxy:
         self._per_key: dict[tuple, int] = {}
         self._injected = 0
         self._open_gets = 0
+        self._corrupted: set[str] = set()
         self.max_in_flight_gets = 0
         self._stopping = threading.Event()
         proxy = self
@@ -269,6 +274,10 @@ class _Body:
             yield data
 
 
+class _Refused(Exception):
+    """An answer the proxy gives instead of forwarding: (status, S3 error code, message)."""
+
+
 class _ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = 30  # idle keep-alive connections end by themselves
@@ -307,7 +316,18 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         fault = owner.choose(self.command, path, query, byte_range)
         entry = Request(self.command, path, query, byte_range, fault, None, started=started)
         self._entry = entry
+        self._counted = False
         body = self._body()
+        if self.command == "PUT":
+            entry.checksum = next((k.lower() for k in self.headers if k.lower().startswith("x-amz-checksum-")
+                                   and k.lower() != "x-amz-checksum-algorithm" or k.lower() == "content-md5"), None)
+            if owner.faults.corrupt_puts or owner.faults.verify_checksums:
+                try:
+                    body = self._checked(entry, b"".join(body) if isinstance(body, _Body) else body)
+                except _Refused as refused:
+                    owner.record(entry)
+                    entry.status = self._send_error_xml(*refused.args)
+                    return
         owner.record(entry)
         self._counted = self.command == "GET" and not query and path.endswith(owner.faults.latency_suffix)
         if self._counted:
@@ -316,6 +336,31 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             self._respond(entry, body, fault)
         finally:
             self._close_entry()
+
+    def _checked(self, entry: Request, body: bytes) -> bytes:
+        """A PUT body, a byte flipped if ``corrupt_puts`` says so (once per matching path: in transit); with
+        ``verify_checksums`` a body that does not match its CRC32 or MD5 header is refused, as S3 refuses it."""
+        import base64
+        import hashlib
+        import zlib
+
+        owner = self.owner
+        with owner._lock:
+            corrupt = body and any(c in entry.path for c in owner.faults.corrupt_puts) \
+                and entry.path not in owner._corrupted
+            if corrupt:
+                owner._corrupted.add(entry.path)
+        if corrupt:
+            body = body[:len(body) // 2] + bytes([body[len(body) // 2] ^ 0x01]) + body[len(body) // 2 + 1:]
+            entry.fault = "corrupt"
+        if owner.faults.verify_checksums:
+            crc, md5 = self.headers.get("x-amz-checksum-crc32"), self.headers.get("Content-MD5")
+            if (crc is not None and base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode() != crc) or \
+                    (md5 is not None and base64.b64encode(hashlib.md5(body).digest()).decode() != md5):
+                entry.fault = "bad-digest"
+                raise _Refused(400, "BadDigest", "The Content-MD5 or checksum value that you specified did not "
+                                                 "match what the server received.")
+        return body
 
     def _close_entry(self) -> None:
         """The request ends as its last bytes are about to be sent (before the client can see them),
@@ -410,7 +455,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
     def _send_error_xml(self, status: int, code: str, message: str) -> int:
         data = b"" if self.command == "HEAD" else (
             f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code><Message>{message}</Message>'
-            f"<Resource>{self.path}</Resource><RequestId>fault-proxy</RequestId></Error>").encode()
+            f"<Resource>{escape(self.path)}</Resource><RequestId>fault-proxy</RequestId></Error>").encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/xml")
         self.send_header("Content-Length", str(len(data)))

@@ -1,6 +1,8 @@
 """Full crash harness: SIGKILL refits at kill points and at random moments, recover, check.
 
     python tests/crash_harness.py --trials 200 [--seed 7] [--json out.json] [--real-flow 3]
+    python tests/crash_harness.py --publisher --trials 100
+
 
 Publishes a tiny catalog through the real publish flow (an isolated Prefect
 API), builds start stores, then runs ``--trials`` trials: each starts a refit
@@ -11,7 +13,10 @@ a fresh refit and checks that the store ends READY at the target, byte-exact
 consistent installed identity, and that no unverified byte was ever installed.
 ``--real-flow N`` adds N trials that crash ``python -m flows.refit`` itself
 and recover through the Prefect flow. Prints trials, kill points covered and
-recoveries; exits 1 unless every trial recovered.
+recoveries; exits 1 unless every trial recovered. ``--publisher`` runs the
+publisher's trials instead (``tests/crash_publish.py``): a trainer killed at
+every publisher kill point and at random moments, then the next publication
+(the same command, or the next step's) must go past it by itself.
 """
 
 from __future__ import annotations
@@ -48,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--real-flow", type=int, default=3, help="extra trials through `python -m flows.refit`")
     parser.add_argument("--workdir", help="keep everything here (default: a temporary folder)")
     parser.add_argument("--json", help="also write the summary to this file")
+    parser.add_argument("--publisher", action="store_true", help="crash the publisher instead of the receiver")
     args = parser.parse_args(argv)
     _isolate_prefect()
+    if args.publisher:
+        return _publisher(args, argv)
 
     from prefect.testing.utilities import prefect_test_harness
 
@@ -85,6 +93,31 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"stores kept under {work}")
+    return 0 if ok else 1
+
+
+def _publisher(args, argv) -> int:
+    import crash_publish as cp
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="canonical-refit-publish-crash-"))
+    started = time.monotonic()
+    world = cp.build_world(work)
+    trials = cp.plan_trials(world, args.trials, seed=args.seed)
+    for i, trial in enumerate(trials):
+        cp.run_trial(world, trial, work / "trials" / f"p{i:04d}")
+        if not trial.ok:
+            print(f"trial {i} FAILED: {trial.kill} {trial.mode} -> {trial.violations}", flush=True)
+        elif (i + 1) % 25 == 0:
+            print(f"{i + 1}/{len(trials)} trials, all gone past so far", flush=True)
+    summary = cp.summarize(trials)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    summary["command"] = "python tests/crash_harness.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    ok = summary["recovered"] == summary["trials"]
+    if ok and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
 
 

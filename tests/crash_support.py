@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-PRELOAD = ["crash_support", "flows.refit"]
+PRELOAD = ["crash_support", "flows.refit", "flows.publish"]
 
 
 # --- a filesystem that counts downloads across processes ------------------------------------------
@@ -210,6 +210,30 @@ def child_refit(job: dict) -> None:
     Path(job["result"]).write_text(json.dumps(out))
 
 
+def child_publish(job: dict) -> None:
+    """Body of one publisher child: kill points configured, the product's publication runbook, a result file."""
+    for key in [k for k in os.environ if k.startswith("CANONICAL_REFIT_")]:
+        del os.environ[key]
+    os.environ.update({k: str(v) for k, v in (job.get("env") or {}).items()})
+    import storage.killpoints
+
+    importlib.reload(storage.killpoints)
+    logging.basicConfig(filename=job["log"], level=logging.INFO, force=True,
+                        format="%(asctime)s %(process)d %(name)s: %(message)s")
+    from flows.publish import run_publish
+    from storage.errors import RefitError
+    from storage.settings import PublishParams
+
+    params = PublishParams(catalog=job["catalog"], model=job["model"], checkpoint=job["checkpoint"], kind="delta",
+                           state_dir=job["state_dir"], emit_event=False, version=job.get("version"))
+    try:
+        result = run_publish(params)
+        out = {"status": "PUBLISHED", "version": result.version, "sequence": result.sequence, "uri": result.uri}
+    except RefitError as exc:
+        out = {"status": "FAILED", "error": exc.to_dict()}
+    Path(job["result"]).write_text(json.dumps(out))
+
+
 def _is_typed(name: str, base: type) -> bool:
     def walk(cls):
         yield cls
@@ -223,14 +247,15 @@ def _is_typed(name: str, base: type) -> bool:
 
 
 class Children:
-    """Forks refit children from a forkserver that imported the pipeline once."""
+    """Forks children (``child_refit`` by default) from a forkserver that imported the pipeline once."""
 
-    def __init__(self):
+    def __init__(self, body=None):
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(PRELOAD)
+        self.body = body or child_refit
 
     def start(self, job: dict):
-        proc = self.ctx.Process(target=child_refit, args=(job,), daemon=True)
+        proc = self.ctx.Process(target=self.body, args=(job,), daemon=True)
         proc.start()
         return proc
 

@@ -107,7 +107,7 @@ def test_a_claimed_sequence_is_skipped_and_an_identical_republish_keeps_its_own(
     lab = flow_lab
     lab.publish("initial")
     catalog = Catalog(ObjectStore(), lab.catalog, lab.model)
-    assert catalog.claim_sequence(1, "someone-else") == "someone-else"  # another publisher got there first
+    assert catalog.claim_sequence(1, "someone-else", "their-token") == ("someone-else", "their-token")  # first
     result = lab.publish("delta", version="mine")
     assert result.sequence == 2
     again = lab.publish("delta", lab.revisions["mine"], version="mine", base_version="r0",

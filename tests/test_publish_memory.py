@@ -88,6 +88,9 @@ def test_memory_and_folder_publications_are_the_same_bytes(tmp_path, s3):  # noq
             ux, uy = x.pop("uri"), y.pop("uri")
             assert (ux is None and uy is None) or (ux[len(folder_root):] == uy[len(memory_root):]), name
             assert x == y, name
+        elif name.startswith("catalog/sequences/"):  # claims: all but the claiming publication's own token
+            x, y = json.loads(left[name]), json.loads(right[name])
+            assert x.pop("publication") != y.pop("publication") and x == y, name
         else:
             assert left[name] == right[name], name
 
@@ -113,9 +116,9 @@ def test_a_base_kept_in_memory_gives_the_delta_a_base_on_disk_gives(tmp_path):
         tensors["lm_head.weight"] += 1  # the trainer's next step, in place: the kept base must not move with it
         api.publish(tensors, catalog=catalog, model=MODEL, keep_base=keep, state_dir=tmp_path / f"state-{keep}",
                     emit_event=False)
-    state = tmp_path / "state-memory" / MODEL.replace("/", "--")
-    assert not (state / "checkpoint").exists()  # nothing of the model written by the memory publisher
-    assert (tmp_path / "state-disk" / MODEL.replace("/", "--") / "checkpoint" / "model.safetensors").is_file()
+    assert PublisherCopy(tmp_path / "state-memory", MODEL).kept_version() is None  # the memory publisher wrote none
+    assert (PublisherCopy(tmp_path / "state-disk", MODEL).checkpoint / "model.safetensors").is_file()
+    assert PublisherCopy(tmp_path / "state-disk", MODEL).kept_version() == "r1"
     disk, memory = (sorted((tmp_path / keep / "revisions" / "r1").iterdir()) for keep in ("disk", "memory"))
     assert [p.name for p in disk] == [p.name for p in memory]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(disk, memory))
@@ -187,3 +190,45 @@ def test_a_refused_tensor_names_the_version_it_would_have_had(tmp_path):
         api.publish(step(1), catalog=catalog, model=MODEL, keep_base="gpu", state_dir=tmp_path / "state",
                     emit_event=False)
     assert sorted(p.name for p in (tmp_path / "catalog").rglob("*.json")) == ["000000000000.json", "r0.json"]
+
+
+def test_a_restarted_trainer_without_its_memory_base_is_told_in_python_terms_what_to_pass(tmp_path):
+    """A trainer that kept its base in memory restarts: its next delta names the revision it publishes, the
+    base apart, and Python's argument (base_checkpoint=), not a CLI flag; passing it publishes."""
+    import subprocess
+    import sys
+
+    from lab import ROOT_DIR
+    from storage.errors import LineageError
+
+    catalog, state = f"file://{tmp_path}/catalog", tmp_path / "state"
+    script = ("import numpy as np, sys\nfrom flows import api\n"
+              "def step(s): return {'w': np.random.default_rng(s).standard_normal((64, 64)).astype(np.float32)}\n"
+              "kw = dict(catalog=sys.argv[1], model='org/tiny', keep_base='memory', state_dir=sys.argv[2], "
+              "emit_event=False)\n"
+              "api.publish(step(0), kind='initial', **kw)\napi.publish(step(1), **kw)\n")
+    subprocess.run([sys.executable, "-c", script, catalog, str(state)], cwd=ROOT_DIR, check=True, timeout=120)
+
+    def weights(seed):
+        return {"w": np.random.default_rng(seed).standard_normal((64, 64)).astype(np.float32)}
+
+    with pytest.raises(LineageError) as caught:  # this process is the restarted trainer: no base in memory
+        api.publish(weights(2), catalog=catalog, model="org/tiny", keep_base="memory", state_dir=state,
+                    emit_event=False)
+    error = caught.value
+    assert error.revision == "r2" and "base revision r1" in str(error), error
+    assert "base_checkpoint=" in str(error) and "--base-checkpoint" not in str(error), error
+    assert 'kind="full"' in str(error) and "--kind" not in str(error), error
+    base = tmp_path / "base"
+    write_safetensors_folder(base, weights(1))
+    result = api.publish(weights(2), catalog=catalog, model="org/tiny", keep_base="memory", state_dir=state,
+                         base_checkpoint=base, emit_event=False)
+    assert (result.version, result.changed_tensors) == ("r2", 1)
+
+
+def write_safetensors_folder(folder, tensors) -> None:
+    """The in-memory layout on disk: one model.safetensors, tensors in name order (docs/format.md, 5.2)."""
+    folder.mkdir(parents=True)
+    with open(folder / "model.safetensors", "wb") as fh:
+        write_safetensors(fh, [(n, "F32", list(a.shape), as_bytes(n, a)[0]) for n, a in sorted(tensors.items())],
+                          {"format": "pt"})

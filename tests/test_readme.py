@@ -106,3 +106,90 @@ def test_the_docs_say_what_a_new_user_must_know_one_way():
     receiver = storage[storage.index("Receiver:"):storage.index("```json", storage.index("Receiver:"))]
     assert "s3:PutObject" in receiver and "nodes/" in receiver and "No write permission" not in receiver
     assert "catalog/.canonical-refit-probe/" in storage
+
+
+FLEET_DOCS = ("README.md", "docs/fleet.md", "docs/operations.md")
+
+
+def _documented_commands(module: str) -> list[tuple[str, list[str]]]:
+    """Every ``python -m MODULE ...`` line of the fleet's documented bash blocks (continuations joined)."""
+    import shlex
+
+    found = []
+    for doc in FLEET_DOCS:
+        for body in re.findall(r"```bash\n(.*?)```", (ROOT_DIR / doc).read_text(), re.S):
+            for line in body.replace("\\\n", " ").splitlines():
+                line = line.split("  #")[0].strip()
+                if line.startswith(f"python -m {module} ") and "$(" not in line and " ... " not in line:
+                    found.append((doc, shlex.split(line)[3:]))
+    return found
+
+
+def test_every_documented_fleet_command_parses_as_printed():
+    """The fleet's commands in the README and docs are accepted as printed (a flag that argparse would refuse,
+    such as a value starting with '-', fails here, not on a user's host)."""
+    from deployments.serve import parse_args as serve_args
+    from flows.fleet import FleetParams, FLEET_FLAGS_BY_COMMAND, _parser as fleet_parser
+    from flows.options import build, given
+    from flows.publish import parse_args as publish_args
+
+    serves, fleets, publishes = (_documented_commands(m) for m in ("deployments.serve", "flows.fleet",
+                                                                   "flows.publish"))
+    assert len(serves) >= 3 and len(fleets) >= 4 and len(publishes) >= 2, (serves, fleets, publishes)
+    for doc, argv in serves:
+        params, settings, _ = serve_args(argv)
+        if "--node" in argv:
+            assert settings.suffix_for(params.node) == "-" + argv[argv.index("--node") + 1], (doc, argv)
+    for doc, argv in fleets:
+        args = fleet_parser().parse_args(argv)
+        build(FleetParams, given(args, FLEET_FLAGS_BY_COMMAND[args.command]))
+    for doc, argv in publishes:
+        publish_args(argv)
+
+
+def _troubleshooting_commands(symptom: str) -> list[str]:
+    """The commands in backticks of the README's troubleshooting row for ``symptom``."""
+    row = next(line for line in README.read_text().splitlines() if line.startswith("|") and symptom in line)
+    return [c for c in re.findall(r"`(python -m [^`]+)`", row)]
+
+
+def test_publishing_past_a_revision_that_is_bad_in_storage_works_as_the_readme_says(prefect_api, tmp_path):
+    """r1's bucket is corrupt in storage: refits through it fail; each of the README's two commands publishes a
+    revision whose lineage avoids it, and a node refits to it exactly."""
+    from deployments_support import flip_tensor_byte
+    from flows.publish import run_publish
+    from flows.refit import run_refit
+    from flows.synthetic import ModelShape, random_model, train_step, write_checkpoint
+    from lab import independent_digest
+    from storage.settings import InstallerSettings, PublishParams, RefitParams
+
+    my_model = tmp_path / "my-model"
+    steps = [random_model(ModelShape(), seed=0)]
+    steps += [train_step(steps[0], seed=1), train_step(train_step(steps[0], seed=1), seed=2)]
+    for i, tensors in enumerate(steps):
+        write_checkpoint(my_model / f"step-{i}", tensors)
+    catalog = f"file://{my_model}/catalog"
+    for i, kind in ((0, "initial"), (1, "delta")):
+        run_publish(PublishParams(catalog=catalog, model="me/tiny", checkpoint=my_model / f"step-{i}", kind=kind,
+                                  state_dir=my_model / "publisher", emit_event=False))
+    bucket = my_model / "revisions" / "r1" / "bucket-00000.safetensors"
+    from storage.format.safetensors import read_header
+
+    flip_tensor_byte(bucket, sorted(read_header(bucket).tensors)[0])
+
+    def refit(target: str, cache: str):
+        return run_refit(RefitParams(catalog=catalog, model="me/tiny", seed_checkpoint=str(my_model / "step-0"),
+                                     cache_dir=my_model / cache, target=target, apply_workers=2,
+                                     installer=InstallerSettings(kind="none")))
+
+    assert refit("r1", "cache-bad").status == "FAILED"
+    commands = [c for c in _troubleshooting_commands("the local copy … was discarded") if "flows.publish" in c]
+    assert len(commands) == 2 and "--kind full" in commands[0] and "--base-version r0" in commands[1]
+    env = user_env(tmp_path, PREFECT_HOME=os.environ["PREFECT_HOME"], MY_MODEL=str(my_model))
+    for n, command in enumerate(commands):
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=ROOT_DIR, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        result = refit("latest", f"cache-{n}")
+        assert result.status == "READY", result.error
+        assert "r1" not in result.lineage and result.target_digest == independent_digest(steps[2])[1]

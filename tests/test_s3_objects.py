@@ -203,3 +203,26 @@ def test_download_streams_with_bounded_memory(s3, tmp_path):
         tracemalloc.stop()
     assert (tmp_path / "large.bin").read_bytes() == data
     assert peak < size // 4, f"download held {peak:,} bytes at once for a {size:,}-byte object"
+
+
+def test_every_upload_carries_a_checksum_and_a_body_corrupted_on_the_way_is_sent_again(s3, tmp_path):
+    """A single PUT and every part of a multipart upload carry a CRC32 the store checks (the proxy checks it as
+    S3 does, moto does not): a body corrupted in transit is refused (BadDigest) and sent again, never stored."""
+    part = 5 * 2**20
+    small, large = tmp_path / "bucket-00000.safetensors", tmp_path / "model-00001-of-00001.safetensors"
+    small.write_bytes(os.urandom(300_000))
+    large.write_bytes(os.urandom(2 * part + 12345))
+    prefix = s3.prefix("integrity")
+    with s3.proxy(Faults(verify_checksums=True, corrupt_puts=(small.name, f"{large.name}?partNumber=2",
+                                                            large.name))) as proxy:
+        store = ObjectStore(s3.settings(proxy.url, block_size=part))
+        for local in (small, large):
+            assert store.put_immutable_file(join_url(prefix, local.name), local) is True
+        puts = proxy.requests(method="PUT")
+        assert puts and all(r.checksum == "x-amz-checksum-crc32" for r in puts), [(r.path, r.checksum) for r in puts]
+        refused = [r for r in puts if r.status == 400]
+        assert [r.fault for r in refused] == ["bad-digest"] * len(refused) and len(refused) >= 2
+        assert {r.path.rsplit("/", 1)[-1] for r in refused} == {small.name, large.name}
+    reader = ObjectStore(s3.settings())
+    for local in (small, large):
+        assert reader.read_bytes(join_url(prefix, local.name), max_size=local.stat().st_size) == local.read_bytes()

@@ -1,7 +1,8 @@
 """The publisher's kept base: its own copy of the last published checkpoint, the exact base of its next delta.
 
-On disk (``state_dir/{model}/checkpoint`` and ``last.json``: version, checksums
-and the files' identity, so an unchanged copy is not hashed again) or in this
+On disk (``state_dir/{model}/checkpoints/{version}.{n}`` and ``last.json``:
+version, folder, checksums and the files' identity, so an unchanged copy is
+not hashed again) or in this
 process (``keep_base="memory"``: a copy of the tensors as published, gone with
 the process). Either is used only if it hashes to the base's ``target_digest``.
 """
@@ -9,16 +10,20 @@ the process). Either is used only if it hashes to the base's ``target_digest``.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from storage.catalog.publisher import Snapshot, snapshot_of
 from storage.catalog.records import Revision
-from storage.durable import atomic_write_json, copy_tree_files, file_identity, read_json_file, remove_tree
+from storage.durable import (
+    atomic_write_json, copy_tree_files, file_identity, fsync_dir, fsync_files, read_json_file, remove_tree,
+)
 from storage.errors import LineageError
 from storage.format.checkpoint import CheckpointIndex
 from storage.format.tensor_source import MemoryCheckpoint
+from storage.killpoints import killpoint
 
 
 KEEP_BASES = ("disk", "memory")
@@ -39,17 +44,20 @@ _IN_MEMORY_LOCK = threading.Lock()
 class PublisherCopy:
     """The publisher's own copy of the last published checkpoint (the next delta's base).
 
-    It lives on disk (``state_dir``, a checkpoint folder and ``last.json``)
-    or, with ``keep_base="memory"``, in this process (a copy of the tensors
-    as published; gone when the process ends, when the disk copy, if it is
-    the exact base, serves instead).
+    It lives on disk (``state_dir``: ``checkpoints/{version}.{n}/`` and
+    ``last.json``, which names the folder) or, with ``keep_base="memory"``,
+    in this process (a copy of the tensors as published; gone when the
+    process ends, when the disk copy, if it is the exact base, serves
+    instead). Replacing it is crash-safe: the new copy is complete in its own
+    folder before ``last.json`` is switched to it, so a publisher killed at
+    any instant leaves ``last.json`` naming a complete copy, the old or the
+    new one.
     """
 
     def __init__(self, state_dir: Path, model: str, *, keep_base: str = "disk"):
         if keep_base not in KEEP_BASES:
             raise ValueError(f"keep_base must be one of {', '.join(KEEP_BASES)}, not {keep_base!r}")
         self.root = Path(state_dir).expanduser() / model.replace("/", "--")
-        self.checkpoint = self.root / "checkpoint"
         self.record_path = self.root / "last.json"
         self.in_memory = keep_base == "memory"
 
@@ -57,8 +65,26 @@ class PublisherCopy:
         raw = read_json_file(self.record_path)
         return raw if isinstance(raw, dict) else None
 
-    def base_for(self, base: Revision, *, workers: int) -> Snapshot:
-        """The kept copy as a snapshot of ``base``, refusing anything but the exact base."""
+    @property
+    def checkpoint(self) -> Path:
+        """The folder of the kept copy on disk (``checkpoint/`` for copies kept before it was versioned)."""
+        last = self.last() or {}
+        folder = last.get("folder")
+        return self.root / folder if isinstance(folder, str) and "/" in folder and ".." not in folder \
+            else self.root / "checkpoint"
+
+    def kept_version(self) -> str | None:
+        """The version the kept copy was published as (this process's copy in memory first), or None."""
+        kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
+        if kept is not None:
+            return kept.version
+        last = self.last()
+        version = last.get("version") if last and self.checkpoint.is_dir() else None
+        return version if isinstance(version, str) else None
+
+    def base_for(self, base: Revision, *, workers: int, publishing: str | None = None) -> Snapshot:
+        """The kept copy as a snapshot of ``base``, refusing anything but the exact base; errors name the
+        revision being ``publishing`` and the base apart."""
         kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
         if kept is not None and kept.version == base.version and kept.checksum_format == base.checksum_format:
             snap = snapshot_of(kept.checkpoint, base.checksum_format, workers=workers, checksums=kept.checksums)
@@ -66,16 +92,20 @@ class PublisherCopy:
                 return snap
         last = self.last()
         if last is None or not self.checkpoint.is_dir():
-            raise LineageError("no base checkpoint: pass --base-checkpoint (the publisher keeps no copy yet)",
-                               revision=base.version)
-        files = {p.name: file_identity(p) for p in sorted(self.checkpoint.iterdir()) if p.is_file()}
+            where = ("this process keeps no copy of it in memory (a copy kept in memory is gone with the process "
+                     "that published it)" if self.in_memory else f"{self.root} holds no kept copy")
+            raise LineageError(f"no copy of the base revision {base.version} to encode the delta against: {where}; "
+                               f"pass the checkpoint of {base.version} as --base-checkpoint, or publish this "
+                               "revision with --kind full", revision=publishing, field="base_checkpoint")
+        checkpoint = self.checkpoint
+        files = {p.name: file_identity(p) for p in sorted(checkpoint.iterdir()) if p.is_file()}
         known = last.get("checksums") if last.get("files") == files and last.get("version") == base.version else None
-        snap = snapshot_of(self.checkpoint, base.checksum_format, workers=workers,
+        snap = snapshot_of(checkpoint, base.checksum_format, workers=workers,
                            checksums=known if last.get("checksum_format") == base.checksum_format else None)
         if snap.target_digest != base.target_digest:
-            raise LineageError(f"the publisher's kept copy ({last.get('version')}) is not the exact base "
-                               f"{base.version}; pass --base-checkpoint", revision=base.version,
-                               file=str(self.checkpoint))
+            raise LineageError(f"the publisher's kept copy ({last.get('version')}) is not the exact base revision "
+                               f"{base.version}; pass the checkpoint of {base.version} as --base-checkpoint",
+                               revision=publishing, file=str(checkpoint), field="base_checkpoint")
         return snap
 
     def keep(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
@@ -84,26 +114,35 @@ class PublisherCopy:
 
         In memory, the tensors are copied (the trainer's own ones change with
         its next step); on disk, tensors in memory are written as their one
-        shard (``storage.format.tensor_source``).
+        shard (``storage.format.tensor_source``), into a folder of their own;
+        ``last.json`` is switched to it only once it is complete and durable,
+        then the older copies are removed.
         """
         if self.in_memory and isinstance(source, MemoryCheckpoint):
             kept = _KeptInMemory(version, checksum_format, dict(checksums), source.copy())
             with _IN_MEMORY_LOCK:
                 _IN_MEMORY[self.root.resolve()] = kept
             return
-        staging = self.root / "checkpoint.new"
-        remove_tree(staging)
-        self.root.mkdir(parents=True, exist_ok=True)
+        folders = self.root / "checkpoints"
+        folders.mkdir(parents=True, exist_ok=True)
+        name = f"{version}.{time.time_ns()}"
+        staging = folders / f".{name}.partial"
         if isinstance(source, MemoryCheckpoint):
             staging.mkdir()
             source.write(staging)
+            fsync_files(staging, [p.name for p in staging.iterdir()])
+            fsync_dir(staging)
         else:
             copy_tree_files(source.folder if isinstance(source, CheckpointIndex) else source, staging)
-        remove_tree(self.checkpoint)
-        self.record_path.unlink(missing_ok=True)
-        staging.rename(self.checkpoint)
-        files = {p.name: file_identity(p) for p in sorted(self.checkpoint.iterdir()) if p.is_file()}
+        staging.rename(folders / name)
+        fsync_dir(folders)
+        killpoint("publish.kept_staged", version)
+        files = {p.name: file_identity(p) for p in sorted((folders / name).iterdir()) if p.is_file()}
         atomic_write_json(self.record_path, {"version": version, "checksum_format": checksum_format,
-                                             "checksums": dict(checksums), "files": files})
+                                             "checksums": dict(checksums), "files": files,
+                                             "folder": f"checkpoints/{name}"})
+        for old in [*folders.iterdir(), self.root / "checkpoint"]:  # older copies, and a crashed keep's leftovers
+            if old.name != name:
+                remove_tree(old)
         with _IN_MEMORY_LOCK:  # the disk copy is now the newer one
             _IN_MEMORY.pop(self.root.resolve(), None)

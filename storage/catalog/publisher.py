@@ -34,6 +34,7 @@ from storage.objects.store import ObjectStore
 from storage.urls import join_url
 from storage.format.safetensors import encode_header, write_safetensors
 from storage.format.tensor_source import MemoryCheckpoint
+from storage.killpoints import killpoint
 
 log = logging.getLogger("canonical_refit.publisher")
 
@@ -311,6 +312,7 @@ def upload_payload(objects: ObjectStore, payload: Payload, url: str, *, workers:
 
     def put(name: str) -> int:
         objects.put_immutable_file(join_url(url, name), payload.folder / name)
+        killpoint("publish.file", name)
         return (payload.folder / name).stat().st_size
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="upload") as pool:

@@ -312,26 +312,31 @@ class Catalog:
                      delta.checksum_format, delta.version)
         return base
 
-    def claim_sequence(self, sequence: int, version: str) -> str:
-        """Claim ``sequence`` for ``version`` (create-only ``sequences/{n}.json``); returns the holder's version.
+    def claim_sequence(self, sequence: int, version: str, publication: str) -> tuple[str, str | None]:
+        """Claim ``sequence`` for ``version`` on behalf of ``publication`` (a token unique to one publisher run):
+        a create-only ``sequences/{n}.json``. Returns the holder's (version, publication).
 
         Two publications can never claim the same sequence: the second
-        create-only write finds the first one's claim and gets its holder back.
+        create-only write finds the first one's claim and gets its holder
+        back. A claim is the claimant's only if the publication token is its
+        own: a claim left by a publisher that crashed before its record is
+        never taken over, so its orphaned payload never meets a later one.
         """
         url = join_url(self.url, f"sequences/{sequence:012d}.json")
-        claim = {"model": self.model, "sequence": sequence, "version": version}
+        claim = {"model": self.model, "sequence": sequence, "version": version, "publication": publication}
         try:
             self.store.put_immutable(url, canonical_json(claim))
-            return version
+            return version, publication
         except ImmutableConflict:
             raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
             try:
-                holder = json.loads(raw).get("version")
+                found = json.loads(raw)
+                holder, token = found.get("version"), found.get("publication")
             except (ValueError, AttributeError):
-                holder = None
-            if not isinstance(holder, str):
+                holder, token = None, None
+            if not isinstance(holder, str) or not isinstance(token, (str, type(None))):
                 raise CatalogError("sequence claim is malformed", file=url, field="version") from None
-            return holder
+            return holder, token
 
     def write(self, record: Revision) -> bool:
         """Publish ``record`` create-only; False if the identical record already existed."""

@@ -25,6 +25,9 @@ _TRANSIENT_ERRNOS = {
 _TRANSIENT_S3_CODES = {
     "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
     "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504",
+    # the store refused bytes that do not match the checksum sent with them: corrupted on the way, so
+    # sending them again is the cure (the local file is intact)
+    "BadDigest", "XAmzContentChecksumMismatch", "InvalidDigest",
 }
 _NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "404", "NotFound"}
 _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "ExpiredToken", "SignatureDoesNotMatch", "403"}

@@ -146,8 +146,12 @@ class ObjectStore:
                 # 1 turns its retries off, so our loop owns them and counts every one
                 "retries": {"total_max_attempts": 1, "mode": "standard"},
             }
-            # integrity comes from the CRC32 checksum botocore sends with every upload; a SHA-256 of
-            # each payload (botocore's default over plain http only) would cost a CPU-second per GB
+            # integrity on the way up: botocore sends a CRC32 of every PutObject and UploadPart body (a header,
+            # or a trailer over https), which S3 verifies before it stores anything (BadDigest otherwise: a
+            # transient error, the upload is sent again); asked for explicitly so that an environment setting
+            # (AWS_REQUEST_CHECKSUM_CALCULATION=when_required) cannot turn it off. A SHA-256 of each payload
+            # (botocore's default over plain http only) would cost a CPU-second per GB
+            config["request_checksum_calculation"] = "when_supported"
             config["s3"] = {"payload_signing_enabled": False}
             if s.addressing_style != "auto":
                 config["s3"]["addressing_style"] = s.addressing_style
@@ -292,7 +296,50 @@ class ObjectStore:
         names = self.call("list", url, listing)
         return sorted(n for n in names if n.endswith(suffix))
 
+    def walk(self, url: str) -> list[tuple[str, int, float]]:
+        """Every object under ``url`` (recursively): (path relative to ``url``, size, modification time in
+        Unix seconds)."""
+        fs, path = self.locate(url)
+        root = path.rstrip("/") + "/"
+
+        def listing() -> list[tuple[str, int, float]]:
+            try:
+                found = fs.find(path, detail=True)
+            except FileNotFoundError:
+                return []
+            out = []
+            for name, info in found.items():
+                if info.get("type") == "directory" or not name.startswith(root):
+                    continue
+                when = info.get("LastModified") or info.get("mtime") or 0
+                out.append((name[len(root):], int(info.get("size") or 0),
+                            when.timestamp() if hasattr(when, "timestamp") else float(when)))
+            return sorted(out)
+
+        return self.call("list", url, listing)
+
     # -- writes ------------------------------------------------------------------------
+
+    def delete_tree(self, url: str) -> None:
+        """Remove every object under ``url`` (reclaiming an orphaned payload; nothing else is ever deleted)."""
+        fs, path = self.locate(url)
+        self.call("delete", url, lambda: fs.rm(path, recursive=True))
+
+    def delete(self, url: str) -> bool:
+        """Remove the object at ``url`` (for the few objects that are not immutable: node records); False if
+        there was none."""
+        fs, path = self.locate(url)
+
+        def remove() -> bool:
+            try:
+                fs.rm_file(path)
+                return True
+            except FileNotFoundError:
+                return False
+
+        if not self.exists(url):
+            return False
+        return bool(self.call("delete", url, remove))
 
     def put_replace(self, url: str, data: bytes) -> None:
         """Write ``url`` whole, replacing what is there (for mutable objects such as a node's own record).

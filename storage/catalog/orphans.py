@@ -1,0 +1,62 @@
+"""Payloads no record references: what a publisher that crashed before its record left behind.
+
+A revision becomes visible only by its catalog record, written last; a
+publication that never wrote it leaves payload objects that nothing
+references (docs/format.md, section 4.7). They never block a later
+publication (it takes another sequence, and another prefix if it reuses the
+name) and are reclaimed by deleting them. This finds them: every folder
+under the payload root that no valid record's ``uri`` points into, and whose
+newest object is older than a grace period (a live publication's objects are
+young: never count them).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from storage.catalog.records import Catalog
+from storage.errors import CatalogError
+from storage.objects.store import ObjectStore
+from storage.urls import join_url
+
+
+@dataclass(frozen=True)
+class Orphan:
+    """One unreferenced payload folder: its URL, objects, bytes and the age of its newest object."""
+
+    url: str
+    objects: int
+    bytes: int
+    age_s: float
+
+
+def referenced_folders(catalog: Catalog) -> set[str]:
+    """The payload folders (URLs) the catalog's records point into."""
+    folders = set()
+    for version in catalog.versions():
+        try:
+            record = catalog.read(version)
+        except CatalogError:
+            continue  # a quarantined record references nothing a receiver would use
+        if record.uri:
+            folders.add(record.uri.rsplit("/", 1)[0])
+    return folders
+
+
+def find_orphans(objects: ObjectStore, catalog: Catalog, payload_root: str, *,
+                 older_than_s: float = 24 * 3600.0) -> list[Orphan]:
+    """Payload folders under ``payload_root`` that no record references and nothing wrote for ``older_than_s``."""
+    referenced = referenced_folders(catalog)
+    folders: dict[str, list[tuple[int, float]]] = {}
+    for name, size, mtime in objects.walk(payload_root):
+        if "/" in name:
+            folders.setdefault(name.split("/", 1)[0], []).append((size, mtime))
+    now = time.time()
+    out = []
+    for folder, entries in sorted(folders.items()):
+        url = join_url(payload_root, folder)
+        age = now - max(mtime for _, mtime in entries)
+        if url not in referenced and age >= older_than_s:
+            out.append(Orphan(url, len(entries), sum(size for size, _ in entries), round(age, 1)))
+    return out
