@@ -32,21 +32,21 @@ from pathlib import Path  # noqa: E402
 from prefect import flow  # noqa: E402
 
 from storage.catalog.records import Catalog, Revision  # noqa: E402
-from storage.format.checkpoint import CheckpointIndex, require_same_layout  # noqa: E402
-from storage.errors import ImmutableConflict, LineageError, RefitError  # noqa: E402
+from storage.errors import ImmutableConflict, RefitError  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
 from storage.catalog.kept_base import KEEP_BASES, PublisherCopy  # noqa: E402
-from storage.catalog.publisher import (  # noqa: E402
-    Payload, Snapshot, existing_record, make_record, next_sequence, same_publication, snapshot_of, source_label,
-    stage_delta, stage_full, upload_payload,
-)
+from storage.catalog.publisher import Payload, make_record, same_publication  # noqa: E402
 from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
+from tasks.encode_payload import ENCODE_PAYLOAD  # noqa: E402
+from tasks.plan_revision import PLAN_REVISION  # noqa: E402
 from tasks.publisher import Publisher  # noqa: E402
-from tasks.stage import Stage, in_flow_run  # noqa: E402
+from tasks.upload_payload import UPLOAD_PAYLOAD  # noqa: E402
+from tasks.write_record import WRITE_RECORD  # noqa: E402
+from tasks.stage import in_flow_run  # noqa: E402
 from flows import heartbeats  # noqa: E402
 
 heartbeats.install()
@@ -80,150 +80,6 @@ class PublishResult:
     already_published: bool = False
     attempts: int = 1  # of the upload and record write (retried after transient failures)
     stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, attempts, status
-
-
-@dataclass(frozen=True)
-class Publication:
-    """What a run will publish: version, sequence, base and the target's digests."""
-
-    version: str
-    sequence: int
-    base: Revision | None
-    base_snapshot: Snapshot | None
-    target: CheckpointIndex | MemoryCheckpoint
-    existing: Revision | None
-
-
-def plan_revision(pub: Publisher, source: MemoryCheckpoint | None = None, keep_base: str = "disk") -> Publication:
-    """Load the target (``source``, or the checkpoint folder) and, for a delta, the exact base (checked against
-    its record and the target's layout); only then claim the version's sequence.
-
-    Everything that can refuse the input does so before the claim, so a
-    refused publication leaves the catalog as it was.
-    """
-    params, catalog = pub.params, pub.catalog
-    sequence, latest = next_sequence(catalog)
-    existing = existing_record(catalog, params.version) if params.version else None
-    if params.kind == "initial":
-        if latest is not None and existing is None:
-            raise LineageError(f"the catalog already has revisions (latest {latest.version}): --kind initial only "
-                               "starts an empty catalog; publish this checkpoint as --kind full or delta",
-                               revision=params.version or "r0", file=catalog.url, field="sequence")
-        sequence = 0
-    elif latest is None:
-        raise LineageError("the catalog is empty: publish the launch revision first (--kind initial)",
-                           file=catalog.url)
-    if existing is not None:  # a republish (after a crash, or a retry): same version, same sequence
-        sequence = existing.sequence
-    label = existing.version if existing else params.version or f"r{sequence}"  # the version it will likely get
-    target = source if source is not None else CheckpointIndex.open(params.checkpoint, revision=label)
-    base, base_snapshot = None, None
-    if params.kind == "delta":
-        kept = PublisherCopy(params.state_dir, params.model, keep_base=keep_base)
-        base = catalog.read(params.base_version) if params.base_version else latest
-        if existing is not None:
-            base = catalog.read(existing.base_version) if existing.base_version else base
-        elif params.base_version is None and params.base_checkpoint is None:
-            base = _kept_base_in_catalog(catalog, kept, latest, label)
-        if params.base_checkpoint is not None:
-            base_snapshot = snapshot_of(params.base_checkpoint, base.checksum_format, workers=params.workers)
-            if base_snapshot.target_digest != base.target_digest:
-                raise LineageError(f"--base-checkpoint hashes to {base_snapshot.target_digest}, not the "
-                                   f"target_digest of the base revision {base.version}", revision=label,
-                                   file=str(params.base_checkpoint), field="base_checkpoint")
-        else:
-            base_snapshot = kept.base_for(base, workers=params.workers, publishing=label)
-        require_same_layout(base_snapshot.index.layout(), target.layout(), revision=label,
-                            file=source_label(target))
-    if existing is not None:
-        version = existing.version
-    else:
-        sequence, version = claim_sequence(catalog, sequence, params.version, pub.publication)
-    return Publication(version, sequence, base, base_snapshot, target, existing)
-
-
-def _kept_base_in_catalog(catalog: Catalog, kept: PublisherCopy, latest: Revision, label: str) -> Revision:
-    """The base of a delta when none was named: the latest revision, or the revision the publisher's kept copy
-    is, if that is an older one of the catalog (a publisher killed after writing its record, before keeping
-    its copy: the next delta goes against the copy it has, a valid exact base, instead of failing)."""
-    version = kept.kept_version()
-    if version is None or version == latest.version:
-        return latest
-    try:
-        base = catalog.read(version)
-    except RefitError:
-        return latest  # a copy of something the catalog does not hold: base_for names the mismatch
-    log.warning("the publisher's kept copy is %s, not the latest revision %s (a publication that did not keep its "
-                "copy, e.g. a crashed publisher): publishing %s as a delta against %s", version, latest.version,
-                label, version)
-    return base
-
-
-def claim_sequence(catalog: Catalog, sequence: int, version: str | None, publication: str, *,
-                   attempts: int = 64) -> tuple[int, str]:
-    """Claim the first free sequence from ``sequence`` on (create-only), so no two records ever share one.
-
-    A sequence claimed by another publication is skipped, whatever version it
-    names: a live publisher owns it, and a crashed one's claim (and its
-    payload) is left behind, never reused. A default version name follows
-    the sequence (``r{n}``).
-    """
-    for candidate in range(sequence, sequence + attempts):
-        name = version or f"r{candidate}"
-        holder, token = catalog.claim_sequence(candidate, name, publication)
-        if token == publication:
-            killpoint("publish.claimed", name)
-            return candidate, name
-        log.info("sequence %d is already claimed by another publication of %s; trying %d", candidate, holder,
-                 candidate + 1)
-    raise ImmutableConflict(f"sequences {sequence} to {sequence + attempts - 1} are all claimed by other "
-                            "publications", file=catalog.url, field="sequence")
-
-
-def encode_payload(pub: Publisher, plan: Publication, staging: Path) -> tuple[Payload | None, Snapshot]:
-    """Stage the payload files locally; returns the payload and the target snapshot."""
-    params = pub.params
-    if params.kind == "delta":
-        payload = stage_delta(
-            plan.base_snapshot, plan.target, staging, version=plan.version, base_version=plan.base.version,
-            encoding=params.encoding, level=params.zstd_level, bucket_max_bytes=params.bucket_max_bytes,
-            workers=params.workers,
-        )
-        snap = snapshot_of(plan.target, plan.base.checksum_format, workers=params.workers,
-                           checksums=payload.checksums)
-        return payload, snap
-    snap = snapshot_of(plan.target, params.checksum_format, workers=params.workers)
-    if params.kind == "initial":
-        return None, snap
-    return stage_full(snap, staging), snap
-
-
-def upload(pub: Publisher, payload: Payload | None, url: str) -> Uploaded:
-    """Put the staged payload create-only (a retry accepts what an earlier attempt put)."""
-    return Uploaded(upload_payload(pub.objects, payload, url, workers=pub.params.storage.concurrency)
-                    if payload else 0)
-
-
-def write_record(pub: Publisher, record: Revision) -> bool:
-    """Create the catalog record (last); an identical earlier publication is accepted as is."""
-    try:
-        return pub.catalog.write(record)
-    except ImmutableConflict:
-        existing = pub.catalog.read(record.version)
-        if same_publication(existing, record):
-            return False
-        raise
-
-
-@dataclass(frozen=True)
-class Uploaded:
-    bytes: int
-
-
-PLAN_REVISION = Stage("plan revision", plan_revision, retried=False)
-ENCODE_PAYLOAD = Stage("encode payload", encode_payload, retried=False)
-UPLOAD_PAYLOAD = Stage("upload payload", upload, retried=True)  # create-only: a retry completes a partial upload
-WRITE_RECORD = Stage("write record", write_record, retried=False)
 
 
 def emit_published(record: Revision, catalog: Catalog) -> None:

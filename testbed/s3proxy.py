@@ -22,7 +22,7 @@ prints its URL (the transfer benchmark runs it so). The tests put one in front
 of their moto server (``tests/s3_support.py``); the fleet lab one in front of
 each node's S3.
 
-It stays one module of about 450 lines: the proxy, its request handler and
+It stays one module of about 500 lines: the proxy, its request handler and
 the pacing are one mechanism (the handler reads and updates the proxy's state
 on every request), so a split would only spread it over files.
 """

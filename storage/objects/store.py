@@ -9,6 +9,9 @@ uploads on S3) and listings. Every request is classified into transient errors
 and permanent ones (raised at once, URI in the message). Data requests share
 one connection budget per store (``storage.objects.transfer``). Nothing outside this
 module branches on the protocol.
+
+It is one module of about 530 lines on purpose: it is the one place that knows about
+protocols (the ranged transfers and multipart uploads it drives live in their own modules).
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ counted); local file errors become ``StoreError`` naming the local path.
 The sources (``S3Source``, ``FsspecSource``, ``LocalSource``) are chosen by
 ``storage.objects.store``, the only module that knows about protocols; uploads
 are in ``storage.objects.multipart``.
+
+One module of about 530 lines: the connection budget, the sources and the resumable download
+share one life cycle (a range is fetched on a budget slot, written, recorded), read best together.
 """
 
 from __future__ import annotations

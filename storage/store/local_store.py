@@ -39,6 +39,9 @@ project writes ``state.json``, ``verified/``, ``chains/``, ``active.json`` or
 under the exclusive store lock; ``activate`` and ``mark_poisoned`` under the
 shared one (the installation fence). A kill at any instant leaves files that
 ``recover`` turns back into a trustworthy state.
+
+It is one module of about 500 lines on purpose: the state machine's transitions are its
+methods, in one place, so that nothing else in the project can change the store's state.
 """
 
 from __future__ import annotations
