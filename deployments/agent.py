@@ -28,7 +28,8 @@ a run pays for no new client, TLS context or connection. An API that is down
 or answers errors does not stop the agent: it logs, backs off and polls again.
 
 Cancelling a run from the UI (or the API) stops it cooperatively at its next
-safe point (the run's state is read every ``cancel_poll_s`` while it runs);
+safe point (its ``Cancelling`` event arrives on the agent's event stream; the
+run's state is also read every ``cancel_poll_s`` while it runs, a fallback);
 SIGTERM or Ctrl-C stop the agent the same way: the run in progress ends
 ``INTERRUPTED`` with its store recoverable, then the agent exits.
 
@@ -56,8 +57,10 @@ log = logging.getLogger("canonical_refit.agent")
 POLL_S = 10.0  # default seconds between polls (serve passes ServeSettings.poll_s)
 FOLLOW_UP_S = (0.2, 0.5, 1.0)  # polls after a wake-up that found nothing due yet (the run may not be visible yet)
 HEARTBEAT_S = 30.0  # default seconds between refreshes of the node's record (serve passes ServeSettings.heartbeat_s)
-CANCEL_POLL_S = 2.0  # seconds between reads of a running run's state (cancellation from the UI or the API)
+CANCEL_POLL_S = 10.0  # seconds between reads of a running run's state: a fallback, the event stream tells at once
+CANCEL_POLL_NO_EVENTS_S = 2.0  # the same without the event stream (--no-event-wakeups)
 MAX_BACKOFF_S = 30.0  # longest wait between polls while the API fails
+CANCELLING_EVENT = "prefect.flow-run.Cancelling"
 
 
 @dataclass
@@ -92,7 +95,9 @@ class NodeAgent:
         self.zombie_after_s = zombie_after_s  # None: no zombie automation (flow-run heartbeats are off)
         self.flows = flows
         self.poll_s = poll_s
-        self.cancel_poll_s = cancel_poll_s
+        # the event stream delivers a cancellation at once; the watch's reads are the fallback
+        self.cancel_poll_s = cancel_poll_s if wake_on_events else min(cancel_poll_s, CANCEL_POLL_NO_EVENTS_S)
+        self._running: tuple[UUID, StopToken] | None = None  # the run executing now, and its stop
         self.start_now = start_now  # a deployment to run once at start-up (the node catches up at once)
         self.stop = stop or current_stop.get()
         self.wake_on_events = wake_on_events
@@ -240,18 +245,28 @@ class NodeAgent:
         from prefect.events.clients import PrefectEventSubscriber
         from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
 
-        wanted = EventFilter(event=EventNameFilter(name=["prefect.flow-run.Scheduled"]),
+        wanted = EventFilter(event=EventNameFilter(name=["prefect.flow-run.Scheduled", CANCELLING_EVENT]),
                              related=EventRelatedFilter(id=[f"prefect.deployment.{i}" for i in ids]))
         async with PrefectEventSubscriber(api_url=api_url, filter=wanted, reconnect_on_clean_close=True) as events:
             self._wake.set()  # runs scheduled while the stream was down are picked up now
             stream = events.__aiter__()
             while not self.stop.stopped:
                 try:  # wake up every second to notice a stop (cancelling a websocket receive is safe)
-                    await asyncio.wait_for(stream.__anext__(), timeout=1.0)
+                    event = await asyncio.wait_for(stream.__anext__(), timeout=1.0)
                 except asyncio.TimeoutError:
+                    continue
+                if event.event == CANCELLING_EVENT:
+                    self._cancelled(event.resource.id.rsplit(".", 1)[-1])
                     continue
                 self.stats.wakeups += 1
                 self._wake.set()
+
+    def _cancelled(self, run_id: str) -> None:
+        """The server says a run is being cancelled (the UI's Cancel): stop it if it is the one running here."""
+        running = self._running
+        if running is not None and str(running[0]) == run_id and not running[1].stopped:
+            log.warning("flow run %s is being cancelled: stopping at the next safe point", run_id)
+            running[1].stop("cancelled from Prefect", interrupt=True)  # ends Interrupted, the fast path
 
     def _due(self, client, ids: list[UUID]) -> list:
         self.stats.polls += 1
@@ -286,6 +301,7 @@ class NodeAgent:
                                    name="cancel-watch", daemon=True)
         token = current_stop.set(run_stop)
         started = time.perf_counter()
+        self._running = (run.id, run_stop)
         self._busy.set()
         try:
             self.stats.api_requests += 1
@@ -303,6 +319,7 @@ class NodeAgent:
             if isinstance(exc, KeyboardInterrupt):
                 raise
         finally:
+            self._running = None
             self._busy.clear()
             current_stop.reset(token)
             watcher_done.set()
@@ -342,8 +359,7 @@ class NodeAgent:
                 log.debug("cancellation watch: %s", exc)
                 continue
             if state is not None and state.is_cancelling():
-                log.warning("flow run %s is being cancelled: stopping at the next safe point", run_id)
-                run_stop.stop("cancelled from Prefect", interrupt=True)  # ends Interrupted, the fast path
+                self._cancelled(str(run_id))
                 return
 
 

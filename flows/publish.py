@@ -46,7 +46,7 @@ from tasks.plan_revision import PLAN_REVISION  # noqa: E402
 from tasks.publisher import Publisher  # noqa: E402
 from tasks.upload_payload import UPLOAD_PAYLOAD  # noqa: E402
 from tasks.write_record import WRITE_RECORD  # noqa: E402
-from tasks.stage import in_flow_run  # noqa: E402
+from tasks.stage import in_flow_run, unpersisted_results  # noqa: E402
 from flows import heartbeats  # noqa: E402
 
 heartbeats.install()
@@ -95,7 +95,8 @@ def emit_published(record: Revision, catalog: Catalog) -> None:
     )
 
 
-@flow(name="publish", flow_run_name="publish {params.model} {params.kind}", validate_parameters=True)
+@flow(name="publish", flow_run_name="publish {params.model} {params.kind}", validate_parameters=True,
+      persist_result=False, result_storage=unpersisted_results())
 def publish(params: PublishParams) -> PublishResult:
     """Publish ``params.checkpoint`` as the launch revision, a full revision or an exact-base delta."""
     return run_publish(params)

@@ -49,6 +49,7 @@ from tasks.installers import make_installer  # noqa: E402
 from tasks.receiver import Receiver  # noqa: E402
 from tasks.resolve_catalog import RESOLVE_CATALOG  # noqa: E402
 from tasks.seed_checkpoint import SEED_CHECKPOINT  # noqa: E402
+from tasks.stage import unpersisted_results  # noqa: E402
 from tasks.verify_digest import VERIFY_DIGEST  # noqa: E402
 from flows import heartbeats  # noqa: E402
 from flows.node_report import report_node  # noqa: E402
@@ -208,7 +209,8 @@ def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None
     return result
 
 
-@flow(name="refit", flow_run_name="refit {params.model} to {params.target}", validate_parameters=True)
+@flow(name="refit", flow_run_name="refit {params.model} to {params.target}", validate_parameters=True,
+      persist_result=False, result_storage=unpersisted_results())
 def refit(params: RefitParams) -> State:
     """Resolve, seed, fetch, apply, verify, install and activate one target revision."""
     with signals_stop_the_run():  # Ctrl-C, SIGTERM and Prefect's cancellation stop the run cooperatively

@@ -1,11 +1,12 @@
-"""What a refit run leaves behind: its result, a stage table and a summary (Prefect artifacts)."""
+"""What a refit run leaves behind: its result, a stage table and, when it failed, a summary (Prefect artifacts)."""
 
 from __future__ import annotations
 
 import contextvars
 import logging
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 from storage.errors import RefitError, StoreError
@@ -180,34 +181,61 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+PROGRESS_AFTER_S = 5.0  # a refit still running after this long gets a progress artifact (someone may be watching)
+PROGRESS_EVERY_S = 2.0  # and at most one update of it this often
+
+
 class PrefectReporter:
-    """Keyed Prefect artifacts of a run: progress while it runs, table and summary at the end."""
+    """Keyed Prefect artifacts of a run, sent only where a person reads them.
 
-    def __init__(self, model: str):
+    A refit that ends Ready or Skipped leaves one artifact, its stage table
+    (bytes and MB/s per stage, which the task runs do not show), its
+    description the run's outcome in a line; a failed, poisoned or interrupted
+    one also leaves its summary (what failed, where, and the next command). A
+    progress artifact is created only once a run has lasted ``PROGRESS_AFTER_S``
+    and updated at most every ``PROGRESS_EVERY_S``: a steady-state refit of a
+    few seconds sends none. Every artifact goes through the run's own API
+    client, one after the other (a thread of its own would open a client of
+    its own, with its own handshakes).
+    """
+
+    def __init__(self, model: str, *, progress_after_s: float | None = None):
         self.model = model
+        self.started = time.monotonic()
+        self.progress_after_s = PROGRESS_AFTER_S if progress_after_s is None else progress_after_s
         self._progress_id = None
-        try:
-            from prefect.artifacts import create_progress_artifact
-
-            self._progress_id = create_progress_artifact(
-                progress=0.0, key=artifact_key("progress", model), description=f"refit of {model}")
-        except Exception as exc:  # artifacts are best effort: never fail a refit over them
-            log.debug("no progress artifact: %s", exc)
+        self._updated = 0.0
+        self._lock = threading.Lock()
+        self._context = contextvars.copy_context()  # the flow run's: stages report progress from their threads
 
     def progress(self, label: str, done: int, total: int) -> None:
-        if self._progress_id is None:
-            return
         key = label if label in _PROGRESS_SPANS else label.split(" ")[0]
         if key == "verify" and label != "verify":  # "verify r0": seeding checks the launch snapshot
             key = "seed verify"
         low, high = _PROGRESS_SPANS.get(key, (0, 99))
         share = done / total if total else 1.0
+        now = time.monotonic()
+        if now - self.started < self.progress_after_s or now - self._updated < PROGRESS_EVERY_S:
+            return
+        if not self._lock.acquire(blocking=False):  # another stage's thread is sending an update right now
+            return
         try:
-            from prefect.artifacts import update_progress_artifact
+            self._updated = now
+            self._context.copy().run(self._send_progress, low + (high - low) * min(1.0, share))
+        finally:
+            self._lock.release()
 
-            update_progress_artifact(self._progress_id, progress=low + (high - low) * min(1.0, share))
-        except Exception as exc:
-            log.debug("progress artifact update failed: %s", exc)
+    def _send_progress(self, value: float) -> None:
+        try:
+            from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+            if self._progress_id is None:
+                self._progress_id = create_progress_artifact(
+                    progress=value, key=artifact_key("progress", self.model), description=f"refit of {self.model}")
+            else:
+                update_progress_artifact(self._progress_id, progress=value)
+        except Exception as exc:  # artifacts are best effort: never fail a refit over them
+            log.debug("progress artifact: %s", exc)
 
     def publish_attempt(self, rx: Receiver, result: RefitResult) -> None:
         """Keep the attempt that just ended; the run's artifacts describe the last one."""
@@ -217,23 +245,20 @@ class PrefectReporter:
         rx = getattr(self, "_last", None)
         if rx is None:
             return
+        ok = result.status in (READY, SKIPPED)
+        outcome = (f"{result.status} {result.version} {result.target_digest or ''}".strip() if ok
+                   else f"{result.status}: {result.error or ''}")
         try:
             from prefect.artifacts import create_markdown_artifact, create_table_artifact, update_progress_artifact
 
-            calls = [
-                lambda: create_table_artifact(key=artifact_key("stages", self.model),
-                                              table=[r.row() for r in rx.ledger.stages.values()],
-                                              description=f"refit of {self.model}: {result.status}"),
-                lambda: create_markdown_artifact(key=artifact_key("summary", self.model),
-                                                 markdown=summary_markdown(rx, result),
-                                                 description=f"refit of {self.model}: {result.status}"),
-            ]
-            if self._progress_id is not None and result.status in (READY, SKIPPED):  # a failed run stays put
-                calls.append(lambda: update_progress_artifact(self._progress_id, progress=100.0))
-            # independent API requests, sent side by side: the run's end waits for one round trip, not three
-            with ThreadPoolExecutor(len(calls), thread_name_prefix="artifacts") as pool:
-                for future in [pool.submit(contextvars.copy_context().run, call) for call in calls]:
-                    future.result()
+            create_table_artifact(key=artifact_key("stages", self.model),
+                                  table=[r.row() for r in rx.ledger.stages.values()],
+                                  description=f"refit of {self.model}: {outcome}"[:2000])
+            if not ok:
+                create_markdown_artifact(key=artifact_key("summary", self.model), markdown=summary_markdown(rx, result),
+                                         description=f"refit of {self.model}: {result.status}")
+            elif self._progress_id is not None:  # a failed run's progress stays where it stopped
+                update_progress_artifact(self._progress_id, progress=100.0)
         except Exception as exc:
             log.warning("could not publish the run's artifacts: %s", exc)
 

@@ -20,6 +20,7 @@ import functools
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from prefect import task
@@ -101,6 +102,63 @@ class Ledger:
         self.notes.append(message)
 
 
+def report_task_run(prefect_task, name: str, context, started, ended, error: BaseException | None, *,
+                    interrupted: bool) -> None:
+    """Tell Prefect about a stage that ran from ``started`` to ``ended`` in the flow run of ``context``: one task
+    run, in its final state (Completed, Failed, or Cancelled named Interrupted or Cancelled), with its times.
+
+    Prefect's own task engine sends three events per task run (Pending, Running, then the final state) and
+    reads the server's result storage settings for each; the server records a task run from any of its
+    state events, so one event, sent when the stage ends, gives the UI the same task run, state and timing
+    for a third of the cost (docs/fleet.md, "What a refit costs the server"). Best effort: a stage is never
+    failed by its report.
+    """
+    try:
+        from uuid import uuid4
+
+        from prefect._internal.uuid7 import uuid7
+        from prefect.client.schemas.objects import StateDetails, TaskRun, TaskRunPolicy
+        from prefect.states import Cancelled, Completed, Failed
+        from prefect.utilities.engine import emit_task_run_state_change_event
+
+        from storage.errors import Cancelled as StageCancelled, Interrupted
+
+        flow_run = getattr(context, "flow_run", None)
+        if flow_run is None:
+            return
+        task_run_id = uuid7()
+        details = StateDetails(task_run_id=task_run_id, flow_run_id=flow_run.id)
+        if error is None:
+            state = Completed(state_details=details)
+        elif interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
+            state = Cancelled(name="Interrupted", message=str(error), state_details=details)
+        elif isinstance(error, StageCancelled):
+            state = Cancelled(message=str(error), state_details=details)
+        else:
+            state = Failed(message=str(error) or type(error).__name__, state_details=details)
+        state.timestamp = ended
+        task_run = TaskRun(
+            id=task_run_id, name=name, flow_run_id=flow_run.id, task_key=prefect_task.task_key,
+            dynamic_key=str(uuid4()), task_version=prefect_task.version,
+            empirical_policy=TaskRunPolicy(retries=0), tags=list(prefect_task.tags), labels={}, task_inputs={},
+            state=state, state_type=state.type, state_name=state.name, run_count=1, flow_run_run_count=1,
+            expected_start_time=started, start_time=started, end_time=ended, total_run_time=ended - started)
+        emit_task_run_state_change_event(task_run=task_run, initial_state=None, validated_state=state)
+    except Exception as exc:  # the UI misses a task run; the refit goes on
+        import logging
+
+        logging.getLogger("canonical_refit.stage").debug("could not report the task run of %s: %s", name, exc)
+
+
+def unpersisted_results():
+    """Where results would go, named so that Prefect does not ask the server (one ``GET /admin/storage`` per
+    flow and task run otherwise): results are never persisted (``persist_result=False`` everywhere), so this
+    folder is only ever named, never written."""
+    from prefect.settings import get_current_settings
+
+    return Path(get_current_settings().results.local_storage_path)
+
+
 def stage_status(error: BaseException, interrupted: bool) -> str:
     """How a stage that raised ``error`` ended: ``interrupted`` (Ctrl-C, SIGTERM, a cancellation), ``cancelled``
     (stopped because another stage failed) or ``failed``."""
@@ -154,8 +212,10 @@ class Stage(Generic[R]):
 
     def __init__(self, name: str, fn: Callable[..., R], *, retried: bool, interruptible: bool = True):
         self.name, self.fn, self.retried, self.interruptible = name, fn, retried, interruptible
+        # the Prefect task this stage is a run of (its name, key and version); it is reported, not run by
+        # Prefect's task engine: report_task_run
         self.task = task(name=name, task_run_name=name, cache_policy=NO_CACHE, persist_result=False,
-                         retries=0)(self._measured)
+                         result_storage=unpersisted_results(), retries=0)(self._measured)
         functools.update_wrapper(self, fn)
 
     def _measured(self, run, *args, **kwargs) -> R:
@@ -173,24 +233,48 @@ class Stage(Generic[R]):
 
     def __call__(self, run, *args, **kwargs) -> R:
         if in_flow_run():
-            return self._task_for(run)(run, *args, **kwargs)
+            return self._as_task_run(run, lambda: self._measured(run, *args, **kwargs))
         return self._measured(run, *args, **kwargs)
 
-    def _task_for(self, run):
-        """The task; named with its attempt when the whole run is being retried, so the UI shows each."""
+    def _run_name(self, run) -> str:
+        """The task run's name; with its attempt when the whole run is being retried, so the UI shows each."""
         attempt = getattr(run, "attempt", 1)
-        return self.task if attempt == 1 else self.task.with_options(task_run_name=f"{self.name} (attempt {attempt})")
+        return self.name if attempt == 1 else f"{self.name} (attempt {attempt})"
+
+    def _as_task_run(self, run, body: Callable[[], R]) -> R:
+        """``body()``, reported to Prefect as this stage's task run: one event when it ends, with its final state
+        and its start and end (see ``report_task_run``)."""
+        from prefect.context import FlowRunContext
+        from prefect.types._datetime import now
+
+        context = FlowRunContext.get()
+        started = now("UTC")
+        error: BaseException | None = None
+        try:
+            return body()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            report_task_run(self.task, self._run_name(run), context, started, now("UTC"), error,
+                            interrupted=bool(run.stop is not None and run.stop.interrupted))
 
     def start(self, run, *args, **kwargs) -> Running[R]:
-        """Run the stage beside the caller (a submitted task in a flow run, else a thread)."""
+        """Run the stage beside the caller (in a thread; inside a flow run, reported as its task run)."""
         if in_flow_run():
-            future = self._task_for(run).submit(run, *args, **kwargs)
-            return Running(lambda: future.wait(), lambda: future.result())
+            import contextvars
+
+            context = contextvars.copy_context()  # the flow run's, for the thread
+            return self._in_thread(run, lambda: context.run(
+                self._as_task_run, run, lambda: self._measured(run, *args, **kwargs)))
+        return self._in_thread(run, lambda: self._measured(run, *args, **kwargs))
+
+    def _in_thread(self, run, call: Callable[[], R]) -> Running[R]:
         outcome: dict[str, Any] = {}
 
         def body() -> None:
             try:
-                outcome["value"] = self._measured(run, *args, **kwargs)
+                outcome["value"] = call()
             except BaseException as exc:  # handed to whoever asks for the result
                 outcome["error"] = exc
 

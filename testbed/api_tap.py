@@ -11,9 +11,11 @@ sees exactly what the server sees from that node, without changing the agent.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -36,6 +38,23 @@ class Hit:
     at: float  # time.time()
     what: str  # "POST /deployments/get_scheduled_flow_runs", or EVENT_MESSAGE for a websocket message
     up_bytes: int = 0
+    event: str | None = None  # the name of the event a websocket message carries ("prefect.task-run.Running")
+
+
+def _event_name(payload: bytes, mask: bytes | None, inflate=None) -> str | None:
+    """The ``event`` field of a (client-masked, maybe deflated) websocket message carrying one event."""
+    if mask is not None:
+        payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    try:
+        if inflate is not None:
+            payload = inflate.decompress(payload + b"\x00\x00\xff\xff")
+    except zlib.error:
+        return None
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        return None
+    return value.get("event") if isinstance(value, dict) else None
 
 
 class _RequestParser:
@@ -47,6 +66,7 @@ class _RequestParser:
         self.mode = "head"
         self.remaining = 0
         self.ws_path = ""
+        self._inflate = zlib.decompressobj(-zlib.MAX_WBITS)  # one per connection: deflate keeps its context
 
     def feed(self, data: bytes) -> None:
         self.buf += data
@@ -118,13 +138,17 @@ class _RequestParser:
                 if len(buf) < 10:
                     return False
                 length, offset = int.from_bytes(buf[2:10], "big"), 10
-            if buf[1] & 0x80:
+            mask = bytes(buf[offset:offset + 4]) if buf[1] & 0x80 else None
+            if mask is not None:
                 offset += 4
             if len(buf) < offset + length:
                 return False
+            payload = bytes(buf[offset:offset + length])
+            compressed = bool(buf[0] & 0x40)  # RSV1: permessage-deflate (context kept across messages)
             del buf[:offset + length]
             if opcode in (1, 2):  # a text or binary message (pings, pongs and close frames are not counted)
-                self.tap.hit(f"WS {self.ws_path}", offset + length)
+                self.tap.hit(f"WS {self.ws_path}", offset + length,
+                             event=_event_name(payload, mask, self._inflate if compressed else None))
             return True
         return False
 
@@ -148,9 +172,13 @@ class ApiTap:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}{self.prefix}"
 
-    def hit(self, what: str, size: int) -> None:
+    def hit(self, what: str, size: int, event: str | None = None) -> None:
         with self._lock:
-            self.hits.append(Hit(time.time(), what, size))
+            self.hits.append(Hit(time.time(), what, size, event))
+
+    def events(self, start: float = 0.0, end: float | None = None) -> Counter:
+        """Websocket event messages by event name (a task run's state changes fold to ``...task-run.<state>``)."""
+        return Counter(h.event or "?" for h in self.between(start, end) if h.what == EVENT_MESSAGE)
 
     def between(self, start: float, end: float | None = None) -> list[Hit]:
         with self._lock:

@@ -236,7 +236,10 @@ class FleetLab:
                 "run_wall_s": round(final - running, 3) if running else None,
                 "run_start_at": running, "ready_at": final,
                 "api_requests": sum(http.values()), "api_events_sent": events, "api_polls_in_window": polls,
-                "api_by_kind": dict(sorted(http.items(), key=lambda kv: -kv[1])), "s3": s3}
+                "api_by_kind": dict(sorted(http.items(), key=lambda kv: -kv[1])),
+                "events_by_name": dict(sorted(self.taps[name].events((claimed or event_at) - 0.05,
+                                                                    final + settle_s).items(),
+                                              key=lambda kv: -kv[1])), "s3": s3}
         ready = [n["ready_after_publish_start_s"] for n in nodes.values()]
         return {"version": version, "kind": kind, "payload_bytes": result.bytes_written, "files": result.files,
                 "publish_s": round(publish_s, 3), "event_after_publish_start_s": round(event_at - published_at, 3),

@@ -106,7 +106,7 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             assert ready.state_name == "Ready", ready.state.message
             assert ready.state.message == f"r1 {trainer.digest(1)}"
             assert ready.parameters["params"]["only_if_newer"] is True
-            assert artifacts_of(client, ready.id)["refit-progress-lab-tiny"].data == 100
+            assert set(artifacts_of(client, ready.id)) == {"refit-stages-lab-tiny"}  # a Ready run: its table only
 
             # r2's bucket is corrupted after publication; then r2 and the older r1 are announced together,
             # while the test holds the receiver's store lock so that the first triggered run cannot finish
@@ -143,7 +143,10 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             assert stages["apply deltas"]["status"] == "failed" and stages["apply deltas"]["attempts"] == 1
             assert CORRUPT_TENSOR in stages["apply deltas"]["detail"]
             assert stages["fetch buckets"]["bytes"] == bucket.stat().st_size
-            assert 50 <= artifacts["refit-progress-lab-tiny"].data < 90  # fetched all, stopped before verify
+            # this run waited for the test's lock first: long enough for a progress artifact, which stopped where
+            # the run did (fetched all, failed applying); a refit of a few seconds has none
+            progress = artifacts.get("refit-progress-lab-tiny")
+            assert progress is None or 50 <= progress.data < 90, progress
 
             assert stale.state_name == "Skipped"
             assert "not newer than the installed r1" in stale.state.message

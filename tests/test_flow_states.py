@@ -18,14 +18,23 @@ from lab import independent_digest
 from storage.store.local_store import LocalStore
 
 
-def _server_view(flow_run_id):
-    """(flow run, its task runs by name, its artifacts by key) as the API has them."""
+def _server_view(flow_run_id, *, stages: int = 0):
+    """(flow run, its task runs by name, its artifacts by key) as the API has them, once it has recorded at
+    least ``stages`` task runs in a final state (the server records task runs from their events, a moment
+    after the run ends)."""
+    import time
+
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
 
+    deadline = time.monotonic() + 30
     with get_client(sync_client=True) as client:
-        run = client.read_flow_run(flow_run_id)
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+            if sum(t.state is not None and t.state.is_final() for t in tasks) >= stages or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     return run, {t.name: t for t in tasks}, {a.key: a for a in artifacts}
@@ -43,13 +52,31 @@ def test_a_ready_refit_is_a_flow_run_with_a_task_run_per_stage_and_its_artifacts
     state, result = lab.refit(flow=True)
     assert state.name == "Ready" and state.is_completed() and result.version == "r1"
     assert result.target_digest == independent_digest(lab.expected("r1"))[1]
-    run, tasks, artifacts = _server_view(state.state_details.flow_run_id)
+    run, tasks, artifacts = _server_view(state.state_details.flow_run_id, stages=len(STAGES))
     assert run.state_name == "Ready" and run.name == f"refit {lab.model} to latest"
     assert set(STAGES) <= set(tasks) and all(tasks[s].state_name == "Completed" for s in STAGES)
     table = next(a for key, a in artifacts.items() if key.startswith("refit-stages-"))
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data  # the API stores it as JSON text
     assert [row["stage"] for row in rows if row["stage"] in STAGES] == STAGES
-    assert any(key.startswith("refit-summary-") for key in artifacts)
+    assert table.description.endswith(f"READY r1 {result.target_digest}")  # the outcome in a line
+    # a Ready run of a few seconds sends nothing else: no summary, no progress (nobody watched it)
+    assert [key.split("-")[1] for key in artifacts] == ["stages"]
+
+
+def test_a_long_refit_shows_its_progress_and_a_short_one_sends_none(flow_lab, monkeypatch):
+    """Progress is for a person watching a long refit: with the threshold at zero (a long refit) the run has a
+    progress artifact that ends at 100; the same refit under the default threshold has none."""
+    from flows import report
+
+    lab = flow_lab
+    lab.publish("initial")
+    lab.publish("delta")
+    monkeypatch.setattr(report, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(report, "PROGRESS_EVERY_S", 0.0)
+    state, _ = lab.refit(flow=True, cache_dir=lab.root / "watched")
+    _, _, artifacts = _server_view(state.state_details.flow_run_id)
+    progress = next(a for key, a in artifacts.items() if key.startswith("refit-progress-"))
+    assert state.name == "Ready" and progress.data == 100
 
 
 def test_a_failed_reconstruction_shows_the_failed_stage_and_its_summary(flow_lab):
