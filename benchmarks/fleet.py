@@ -51,6 +51,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--idle-seconds", type=float, default=30.0, help="length of each idle measurement")
     p.add_argument("--model", choices=("tiny", "2mb"), default="2mb",
                    help="tiny: 0.3 MB model, ~0.1 MB deltas; 2mb: 42 MB model, ~2 MB RL-like deltas")
+    p.add_argument("--scaled", type=int, default=0, metavar="APIS",
+                   help="scale the server out as Prefect documents: this many API processes, the background "
+                        "services in a process of their own, Redis messaging (0: one server process)")
     p.add_argument("--quick", action="store_true", help="3 nodes, tiny model, 2 publications, 10 s idle")
     p.add_argument("--json", type=Path, help="where to write the result (default benchmarks/results/fleet-*.json)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
@@ -75,7 +78,8 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     names = [f"node{k + 1}" for k in range(args.nodes)]
     result: dict = {"schema": SCHEMA, "machine": machine(), "nodes": args.nodes, "model": args.model,
                     "model_bytes": shape.nbytes, "load_average_start": load_average()}
-    with FleetLab(root, poll_s=args.poll_seconds, shape=shape, share=share, log=log) as lab:
+    result["scaled_api_processes"] = args.scaled
+    with FleetLab(root, poll_s=args.poll_seconds, shape=shape, share=share, log=log, scaled=args.scaled) as lab:
         result["server_startup_s"] = round(lab.server.startup_s, 1) if lab.server else None
         log(f"server alone, idle {args.idle_seconds:.0f}s")
         result["idle_server_alone"] = lab.idle(args.idle_seconds)
@@ -114,6 +118,34 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     return result
 
 
+GOALS = (  # issue-level goals for the fleet (docs/fleet.md): (label, measured value, limit)
+    ("event -> run start p99 <= 3 s", lambda r: _p99(r, "run_start_after_event_s"), 3.0),
+    ("publication -> every node Ready p99 <= 45 s", lambda r: _p99_waves(r, "all_ready_after_publish_start_s"),
+     45.0),
+    ("server CPU per refit <= 0.25 s", lambda r: r["summary"]["server_cpu_s_per_refit"], 0.25),
+    ("API requests + event messages per refit <= 32 (half of 30 + 34)",
+     lambda r: r["summary"]["api_requests_per_refit"]["p50"] + r["summary"]["api_events_per_refit"]["p50"], 32),
+)
+
+
+def _p99(r: dict, key: str) -> float:
+    values = sorted(n[key] for w in r["waves"] for n in w["nodes"].values() if n.get(key) is not None)
+    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+
+
+def _p99_waves(r: dict, key: str) -> float:
+    values = sorted(w[key] for w in r["waves"])
+    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+
+
+def goals(r: dict) -> list[str]:
+    out = []
+    for label, measure, limit in GOALS:
+        value = measure(r)
+        out.append(f"goal {label:<62}{'met' if value <= limit else 'NOT met'} ({value:.2f})")
+    return out
+
+
 def table(r: dict) -> str:
     s = r["summary"]
     lines = [f"fleet: {r['nodes']} nodes, model {r['model']} ({r['model_bytes'] / 1e6:.0f} MB), deltas "
@@ -148,7 +180,10 @@ def table(r: dict) -> str:
              f"{r['poll_saturation']['server_cpu_pct']:.0f} % server CPU (p50 "
              f"{r['poll_saturation']['latency_ms']['p50']:.0f} ms, p99 {r['poll_saturation']['latency_ms']['p99']:.0f} "
              f"ms, {r['poll_saturation']['threads']} clients)"]
-    return "\n".join(lines)
+    if r.get("scaled_api_processes"):
+        lines.insert(1, f"server: {r['scaled_api_processes']} API processes + services apart, Redis messaging, "
+                        "PostgreSQL; CPU figures are every server process together")
+    return "\n".join(lines + goals(r))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,8 +68,10 @@ class FleetLab:
     proxy of their own; the trainer publishes from this process. Use as a context manager."""
 
     def __init__(self, root: Path, *, poll_s: float | None, shape=None, share: float | None = None,
-                 api_url: str | None = None, spans: Path | None = None, log: Callable[[str], None] = print):
+                 api_url: str | None = None, spans: Path | None = None, log: Callable[[str], None] = print,
+                 scaled: int = 0):
         self.root = Path(root)
+        self.scaled = scaled  # API processes of a scaled-out server (Redis messaging, services apart); 0: one server
         self.poll_s, self.shape, self.share, self.log = poll_s, shape, share, log
         self.external_api = api_url
         self.spans = spans
@@ -91,10 +93,16 @@ class FleetLab:
             self.api_url = self.external_api
         else:
             self.database = Postgres().create()
-            self.server = PrefectServer(self.root, self.database.url).start()
+            if self.scaled:
+                from testbed.scaled_server import ScaledPrefectServer
+
+                self.server = ScaledPrefectServer(self.root / "server", self.database.url, apis=self.scaled).start()
+                what = f"{self.scaled} API processes and the services apart, on Redis messaging and PostgreSQL"
+            else:
+                self.server = PrefectServer(self.root, self.database.url).start()
+                what = "one Prefect server process on PostgreSQL"
             self.api_url = self.server.url
-            self.log(f"Prefect server on PostgreSQL database {self.database.name}: healthy after "
-                     f"{self.server.startup_s:.1f}s")
+            self.log(f"{what} (database {self.database.name}): healthy after {self.server.startup_s:.1f}s")
         os.environ.update(AWS)
         os.environ.update(PREFECT_API_URL=self.api_url, PREFECT_HOME=str(self.root / "trainer-home"),
                           DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
@@ -131,7 +139,8 @@ class FleetLab:
     # -- nodes ----------------------------------------------------------------------------------------------
 
     def add_node(self, name: str) -> NodeProcess:
-        tap = self.hub.tap(self.api_url, name)
+        urls = getattr(self.server, "urls", None) or [self.api_url]
+        tap = self.hub.tap(urls[len(self.nodes) % len(urls)], name)  # nodes spread over the API processes
         proxy = FaultProxy(self.moto.url, Faults(), lifetime_s=24 * 3600).start()
         module = ("-m", "testbed.nodes", "agent", str(self.spans)) if self.spans else ("-m", "deployments.serve")
         env = quiet_env(PREFECT_API_URL=tap.url, PREFECT_HOME=str(self.root / "homes" / name), **AWS)

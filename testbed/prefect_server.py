@@ -44,8 +44,10 @@ class PrefectServer:
     """``prefect server start`` on 127.0.0.1, its own PREFECT_HOME, UI off: on PostgreSQL (``database_url``) or, with
     None, on SQLite in its home. ``start``/``stop``, or a ``with`` block."""
 
-    def __init__(self, root: Path, database_url: str | None = None, *, extra_env: dict[str, str] | None = None):
+    def __init__(self, root: Path, database_url: str | None = None, *, extra_env: dict[str, str] | None = None,
+                 args: tuple[str, ...] = ()):
         self.root = Path(root)
+        self.args = tuple(args)  # more `prefect server start` flags (e.g. --no-services)
         self.home = self.root / "server-home"
         self.log = self.root / "server.log"
         self.database_url = database_url
@@ -59,11 +61,14 @@ class PrefectServer:
         import httpx
 
         self.home.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(parents=True, exist_ok=True)
         database = {"PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url} if self.database_url else {}
-        env = quiet_env(PREFECT_HOME=str(self.home), PREFECT_UI_ENABLED="false", **database, **self.extra_env)
+        env = quiet_env(**{"PREFECT_HOME": str(self.home), "PREFECT_UI_ENABLED": "false", **database,
+                           **self.extra_env})
         started = time.monotonic()
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            self.proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
+                                          *self.args],
                                          env=env, cwd=self.root, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 

@@ -83,6 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(os.environ["PREFECT_HOME"], ignore_errors=True)  # the harness's own Prefect database
     summary = ct.summarize(trials + real)
     summary["real_flow_trials"] = len(real)
+    return _finish(summary, args, argv, work, started)
+
+
+def _finish(summary: dict, args, argv, work: Path, started: float) -> int:
+    """Print (and with --json write) the summary; keep the work folder of a failed run. The exit status."""
     summary["seconds"] = round(time.monotonic() - started, 1)
     summary["command"] = "python tests/crash_harness.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(json.dumps(summary, indent=2))
@@ -92,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if ok and not args.workdir:  # keep the stores of a failed run for inspection
         shutil.rmtree(work, ignore_errors=True)
     else:
-        print(f"stores kept under {work}")
+        print(f"kept under {work}")
     return 0 if ok else 1
 
 
@@ -109,16 +114,7 @@ def _publisher(args, argv) -> int:
             print(f"trial {i} FAILED: {trial.kill} {trial.mode} -> {trial.violations}", flush=True)
         elif (i + 1) % 25 == 0:
             print(f"{i + 1}/{len(trials)} trials, all gone past so far", flush=True)
-    summary = cp.summarize(trials)
-    summary["seconds"] = round(time.monotonic() - started, 1)
-    summary["command"] = "python tests/crash_harness.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
-    ok = summary["recovered"] == summary["trials"]
-    if ok and not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
-    return 0 if ok else 1
+    return _finish(cp.summarize(trials), args, argv, work, started)
 
 
 if __name__ == "__main__":

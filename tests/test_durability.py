@@ -38,6 +38,21 @@ def _flip_a_byte_keeping_identity(folder: Path) -> None:
     os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))  # size and mtime as before: identity cannot tell
 
 
+def _r1_lost_in_a_power_failure(lab, monkeypatch, tmp_path, kinds) -> cs.RecordingEngine:
+    """Publish ``kinds``, refit to r1 on boot a, then a power failure before r1's write-back with a byte of it
+    changed behind its files' back; the machine comes back as boot b. The engine the refits install into."""
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    for kind in kinds:
+        lab.publish(kind)
+    engine = cs.RecordingEngine(tmp_path / "engine.json")
+    assert lab.run(engine, target="r1").status == "READY"
+    wait_for_flushes(60)
+    _as_if_power_failed_before_the_flush(lab, "r1")
+    _flip_a_byte_keeping_identity(lab.store_root / "materialized" / "r1")
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")  # the machine restarted
+    return engine
+
+
 def test_a_patched_checkpoint_is_ready_before_its_pages_are_on_disk_then_marked_flushed(flow_lab, monkeypatch):
     lab = flow_lab
     monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
@@ -79,16 +94,7 @@ def test_the_flushed_mark_is_recorded_while_another_process_holds_the_store(flow
 
 def test_an_unflushed_checkpoint_changed_across_a_restart_is_rebuilt_never_installed(flow_lab, monkeypatch, tmp_path):
     lab = flow_lab
-    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
-    for kind in ("initial", "delta", "delta"):
-        lab.publish(kind)
-    engine = cs.RecordingEngine(tmp_path / "engine.json")
-    assert lab.run(engine, target="r1").status == "READY"
-    wait_for_flushes(60)
-    _as_if_power_failed_before_the_flush(lab, "r1")
-    _flip_a_byte_keeping_identity(lab.store_root / "materialized" / "r1")
-
-    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")  # the machine restarted
+    engine = _r1_lost_in_a_power_failure(lab, monkeypatch, tmp_path, ("initial", "delta", "delta"))
     result = lab.run(engine, target="r1")
     assert result.status == "READY", result.error
     assert any("forgot r1" in note and "restart" in note for note in result.notes), result.notes
@@ -120,16 +126,7 @@ def test_after_a_power_loss_the_deployments_refit_does_not_skip_a_version_the_st
     """Recovery forgets the unflushed r1; the next `--target latest --only-if-newer` rebuilds and re-installs it
     instead of skipping "r1 is not newer than the installed r1", and says why in its notes."""
     lab = flow_lab
-    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
-    for kind in ("initial", "delta"):
-        lab.publish(kind)
-    engine = cs.RecordingEngine(tmp_path / "engine.json")
-    assert lab.run(engine, target="r1").status == "READY"
-    wait_for_flushes(60)
-    _as_if_power_failed_before_the_flush(lab, "r1")
-    _flip_a_byte_keeping_identity(lab.store_root / "materialized" / "r1")
-
-    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")  # the machine restarted
+    engine = _r1_lost_in_a_power_failure(lab, monkeypatch, tmp_path, ("initial", "delta"))
     result = lab.run(engine, target="latest", only_if_newer=True)
     assert result.status == "READY", result.error
     assert any("forgot r1" in note for note in result.notes), result.notes  # the recovery note is kept
