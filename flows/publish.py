@@ -26,7 +26,7 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict, dataclass, field  # noqa: E402
+from dataclasses import asdict  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow  # noqa: E402
@@ -43,9 +43,9 @@ from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
 from tasks.encode_payload import ENCODE_PAYLOAD  # noqa: E402
 from tasks.plan_revision import PLAN_REVISION  # noqa: E402
-from tasks.publisher import Publisher  # noqa: E402
+from tasks.publisher import Publisher, PublishResult  # noqa: E402
 from tasks.upload_payload import UPLOAD_PAYLOAD  # noqa: E402
-from tasks.write_record import WRITE_RECORD  # noqa: E402
+from tasks.write_record import EVENT, WRITE_RECORD, emit_published  # noqa: E402,F401 (re-exported)
 from tasks.stage import in_flow_run, unpersisted_results  # noqa: E402
 from flows import heartbeats  # noqa: E402
 
@@ -53,46 +53,9 @@ heartbeats.install()
 
 log = logging.getLogger("canonical_refit.publish")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
-EVENT = "canonical-refit.revision.published"
 PAYLOAD_FORMATS = {"initial": "metadata_only", "full": "full_hf_checkpoint", "delta": "xor_delta"}
 
 
-@dataclass
-class PublishResult:
-    """What was published, and what it cost."""
-
-    version: str
-    sequence: int
-    payload_format: str
-    record_url: str
-    uri: str | None
-    target_digest: str
-    encoding: str | None = None
-    bytes_written: int = 0
-    decoded_bytes: int = 0
-    encoded_bytes: int = 0
-    compression_ratio: float = 0.0
-    changed_tensors: int = 0
-    files: int = 0
-    seconds: float = 0.0
-    model_bytes: int = 0  # the checkpoint's tensor bytes
-    bytes_per_s: float = 0.0  # model bytes per second of the whole run
-    already_published: bool = False
-    attempts: int = 1  # of the upload and record write (retried after transient failures)
-    stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, attempts, status
-
-
-def emit_published(record: Revision, catalog: Catalog) -> None:
-    """Announce the revision: deployments that refit on publication match this event."""
-    from prefect.events import emit_event
-
-    emit_event(
-        event=EVENT,
-        resource={"prefect.resource.id": f"canonical-refit.revision.{record.model}.{record.version}",
-                  "prefect.resource.name": f"{record.model} {record.version}"},
-        payload={"model": record.model, "version": record.version, "sequence": record.sequence,
-                 "catalog": catalog.url},
-    )
 
 
 @flow(name="publish", flow_run_name="publish {params.model} {params.kind}", validate_parameters=True,
@@ -139,6 +102,10 @@ def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None
     """
     if keep_base not in KEEP_BASES:
         raise ValueError(f"keep_base must be one of {', '.join(KEEP_BASES)}, not {keep_base!r}")
+    if params.world_size is not None or params.rank is not None:  # one rank's part of a revision (flows/sharded.py)
+        from flows.sharded import run_publish_part
+
+        return run_publish_part(params, source=source, keep_base=keep_base)
     started = time.perf_counter()
     pub = Publisher(params)
     try:
@@ -212,7 +179,8 @@ PUBLISH_FLAGS = [
     Flag("workers"), Flag("allow_unconditional_writes"), Flag("emit_event", "--no-event", invert=True),
     Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
     Flag("stage_retry_delay_s", "--stage-retry-delay"), Flag("storage.concurrency", "--upload-workers"),
-    Flag("storage.endpoint_url", "--s3-endpoint-url"),
+    Flag("storage.endpoint_url", "--s3-endpoint-url"), Flag("rank"), Flag("world_size"), Flag("publication"),
+    Flag("part_timeout_s", "--part-timeout"),
 ]
 
 

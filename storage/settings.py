@@ -249,6 +249,16 @@ class PublishParams(BaseSettings):
                                                            "inside the stage")
     stage_retry_delay_s: float = Field(1.0, ge=0, le=3600, description="wait before the first upload retry, times "
                                                                        "4 for each next one")
+    rank: int | None = Field(None, ge=0, description="this trainer rank's index, when several ranks publish one "
+                                                      "revision together (with --world-size and --publication)")
+    world_size: int | None = Field(None, ge=1, le=65536, description="how many ranks publish the revision "
+                                                                    "together (each its own tensors)")
+    publication: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                    description="an id every rank of one publication shares, new for each "
+                                                "(e.g. the run id and the step); rank 0 publishes the revision "
+                                                "once every rank's part is there")
+    part_timeout_s: float = Field(600.0, gt=0, description="how long a rank waits for the plan, the other "
+                                                           "ranks' parts and the record")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
 
     def stage_retry_policy(self) -> RetryPolicy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from storage.cancel import StopToken, current_stop
@@ -16,6 +17,31 @@ from tasks.stage import Ledger, StageRecord, measuring
 
 log = logging.getLogger("canonical_refit.publish")
 PUBLISH_STAGES = ("plan revision", "encode payload", "upload payload", "write record")
+
+
+@dataclass
+class PublishResult:
+    """What was published, and what it cost."""
+
+    version: str
+    sequence: int
+    payload_format: str
+    record_url: str
+    uri: str | None
+    target_digest: str
+    encoding: str | None = None
+    bytes_written: int = 0
+    decoded_bytes: int = 0
+    encoded_bytes: int = 0
+    compression_ratio: float = 0.0
+    changed_tensors: int = 0
+    files: int = 0
+    seconds: float = 0.0
+    model_bytes: int = 0  # the checkpoint's tensor bytes
+    bytes_per_s: float = 0.0  # model bytes per second of the whole run
+    already_published: bool = False
+    attempts: int = 1  # of the upload and record write (retried after transient failures)
+    stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, attempts, status
 
 
 class Publisher:

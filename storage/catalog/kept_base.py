@@ -108,6 +108,22 @@ class PublisherCopy:
                                revision=publishing, file=str(checkpoint), field="base_checkpoint")
         return snap
 
+    def kept_snapshot(self, version: str, checksum_format: str, *, workers: int) -> Snapshot | None:
+        """The kept copy as a snapshot, if it is ``version``'s (this process's copy in memory first): a trainer
+        rank's part of a revision, which no catalog digest can check alone (the part records its checksums
+        and the merge checks them all together)."""
+        kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
+        if kept is not None and kept.version == version and kept.checksum_format == checksum_format:
+            return snapshot_of(kept.checkpoint, checksum_format, workers=workers, checksums=kept.checksums)
+        last = self.last()
+        if last is None or last.get("version") != version or not self.checkpoint.is_dir():
+            return None
+        checkpoint = self.checkpoint
+        files = {p.name: file_identity(p) for p in sorted(checkpoint.iterdir()) if p.is_file()}
+        known = last.get("checksums") if last.get("files") == files and \
+            last.get("checksum_format") == checksum_format else None
+        return snapshot_of(checkpoint, checksum_format, workers=workers, checksums=known)
+
     def keep(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
              checksums: Mapping[str, str]) -> None:
         """Replace the kept copy with ``source`` (a folder, or tensors in memory) as published under ``version``.

@@ -160,8 +160,11 @@ def stage_delta(
     workers: int,
     progress: Callable[[int], None] | None = None,
     allow_extended: bool = False,
+    bucket_prefix: str = "bucket",
 ) -> Payload:
     """Encode every changed tensor of ``target`` against ``base`` into buckets under ``folder``.
+
+    Buckets are named ``{bucket_prefix}-{n:05d}.safetensors`` (a trainer rank's part names its own).
 
     Tensors are visited in name order and packed into buckets of at most
     ``bucket_max_bytes`` decoded bytes (a larger tensor gets its own);
@@ -192,7 +195,7 @@ def stage_delta(
         nonlocal bucket, bucket_decoded
         if not bucket:
             return
-        name = f"bucket-{len(payload.files):05d}.safetensors"
+        name = f"{bucket_prefix}-{len(payload.files):05d}.safetensors"
         with open(folder / name, "wb") as fh:
             write_safetensors(fh, [(t, "U8", [len(frame)], frame) for t, frame, _ in bucket],
                               {t: checksum for t, _, checksum in bucket})
@@ -272,10 +275,12 @@ def _in_order(pool, fn, names: list[str], index: CheckpointIndex | MemoryCheckpo
         yield name, future.result()
 
 
-def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], None] | None = None) -> Payload:
+def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], None] | None = None,
+               shard_prefix: str = "") -> Payload:
     """Copy a checkpoint's shards with per-tensor checksums in their metadata, plus a declaring index.
 
     A checkpoint in memory is its one shard (``storage.format.tensor_source``), written from the arrays.
+    Shards keep their names, after ``shard_prefix`` (a trainer rank's part names its own).
     """
     remove_tree(folder)
     folder.mkdir(parents=True)
@@ -286,7 +291,8 @@ def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], No
         metadata = dict(header.metadata) | {t.name: snapshot.checksums[t.name] for t in tensors}
         raw, _ = encode_header(((t.name, t.dtype, t.shape, t.nbytes) for t in tensors), metadata)
         memory = isinstance(index, MemoryCheckpoint)
-        with open(folder / name, "wb") as dst, open(os.devnull if memory else index.folder / name, "rb") as src:
+        with open(folder / (shard_prefix + name), "wb") as dst, \
+                open(os.devnull if memory else index.folder / name, "rb") as src:
             dst.write(raw)
             for t in tensors:
                 if memory:
@@ -295,11 +301,11 @@ def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], No
                     copy_bytes(src, dst, t.nbytes, src_offset=header.data_offset + t.start)
                 if progress:
                     progress(t.nbytes)
-        payload.files.append(name)
+        payload.files.append(shard_prefix + name)
         payload.decoded_bytes += sum(t.nbytes for t in tensors)
     payload.encoded_bytes = payload.decoded_bytes
     payload.changed = sorted(index.tensors)
-    weight_map = {t.name: t.file for t in index.tensors.values()}
+    weight_map = {t.name: shard_prefix + t.file for t in index.tensors.values()}
     manifest = {"metadata": {"checksum_format": snapshot.checksum_format, "total_size": index.nbytes},
                 "weight_map": dict(sorted(weight_map.items()))}
     (folder / INDEX_FILE).write_bytes(json.dumps(manifest, indent=2).encode())
