@@ -149,6 +149,11 @@ def _rl_targets(r: dict) -> list[dict]:
         out.append(_target(f"publish at 2 % changed ({label} -> {p.get('encoding')}) >= 1 GB/s of model bytes",
                            p.get("gb_s"), 1.0, ">=", "GB/s", f"stage_delta with {r['config']['publish_workers']} "
                            f"threads: {p.get('seconds')} s wall, {p.get('cpu_s')} s CPU (all runs {p.get('runs_s')})"))
+    mem = (r.get("publish_memory") or {}).get("best") or {}
+    out.append(_target("publish a 2 % step from memory (kept base in memory) >= 0.5 x in-memory XOR, same threads",
+                       mem.get("over_xor"), 0.5, ">=", "x", mem and
+                       f"{mem['gb_s']} GB/s of model against the XOR's {mem['xor']['gb_s']} GB/s "
+                       f"({mem['xor']['threads']} threads); stages {mem['stages']}"))
     for label in ("auto", "xor", "xor_gaps"):
         a = apply.get(label) or {}
         enc = (pub.get(label) or {}).get("encoding")

@@ -44,6 +44,7 @@ from benchmarks import _render, _report
 from benchmarks._baseline import fetch_revision
 from benchmarks._jobs import Jobs
 from benchmarks._meter import load_average
+from benchmarks.publish import one_process as publish_from_memory
 from benchmarks._model import build, parse_share, share_label, sweep_steps
 from benchmarks._rates import (apply_in_place, apply_sweep, decode_rates, decode_threads, kernel_rates,
                                publish_rates, sweep_manifest, xor_reference)
@@ -227,6 +228,10 @@ class Bench:
             r["decode"] = decode_rates({v: ws.delta_folder(v) for v in later}, "r2", a.kernel_repeat, sizes)
         with self.step("RL sweep"):
             r["sweep"] = self._sweep(memdir, sizes)
+        with self.step("publish from memory"):  # the trainer's way: its tensors, the kept base in memory
+            r["publish_memory"] = publish_from_memory(self.root / "publish-memory", size_bytes=int(a.size_mb * 1e6),
+                                                      share=0.02, steps=2, threads=a.publish_workers)
+            shutil.rmtree(self.root / "publish-memory", ignore_errors=True)
         with self.step("cold refit r0 -> r1"):
             refits["cold"] = jobs.plain("cold", ["r1"], restore=False)
             clone_store(ws.cache, ws.pristine)

@@ -152,7 +152,7 @@ def _publish(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, st
             log.info("no Prefect API configured: %s was published without the %s event", record.version, EVENT)
     if params.keep_copy:
         PublisherCopy(params.state_dir, params.model, keep_base=keep_base).keep(
-            plan.target, record.version, snap.checksum_format, snap.checksums)
+            plan.target, record.version, snap.checksum_format, snap.checksums, workers=params.workers)
     seconds = time.perf_counter() - started
     result = PublishResult(
         version=record.version, sequence=record.sequence, payload_format=record.payload_format,

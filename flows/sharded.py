@@ -77,7 +77,7 @@ def run_publish_part(params: PublishParams, *, source: MemoryCheckpoint | None =
             record = _wait(f"rank 0 to write the record of {plan.version}", lambda: _record(pub, plan),
                            params.part_timeout_s, poll_s, pub)
         if params.keep_copy:
-            kept.keep(target, plan.version, plan.checksum_format, checksums)
+            kept.keep(target, plan.version, plan.checksum_format, checksums, workers=params.workers)
         if rank == 0 and params.emit_event:
             from flows.prefect_api import configured_api_url
             from tasks.stage import in_flow_run
@@ -255,8 +255,10 @@ def _record(pub: Publisher, plan: PublicationPlan) -> Revision | None:
 
 
 def _wait(what: str, check, timeout_s: float, poll_s: float, pub: Publisher):
-    """``check()`` until it returns something, or ``CatalogError`` after ``timeout_s``."""
+    """``check()`` until it returns something, or ``CatalogError`` after ``timeout_s``; checked every 10 ms at
+    first, then less often, up to every ``poll_s`` (ranks that finish together do not wait a whole poll)."""
     deadline = time.monotonic() + timeout_s
+    interval = min(0.01, poll_s)
     while True:
         pub.stop.check()
         try:
@@ -269,7 +271,8 @@ def _wait(what: str, check, timeout_s: float, poll_s: float, pub: Publisher):
             raise CatalogError(f"timed out after {timeout_s:.0f} s waiting for {what} (a rank died, or was never "
                                "started: nothing was made visible; publish again with a new publication id)",
                                revision=pub.params.version)
-        time.sleep(poll_s)
+        time.sleep(interval)
+        interval = min(poll_s, interval * 1.5)
 
 
 __all__ = ["run_publish_part", "RefitError"]

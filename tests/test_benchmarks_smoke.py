@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("machine", "config", "model", "revisions", "kernels", "decode", "sweep", "decode_dense", "apply_threads",
             "apply_disk",
             "refits", "catch_up", "memory", "fetch", "baseline", "fetch_only", "baseline_throttled", "overlap",
-            "prefect", "targets", "load", "disk", "errors")
+            "prefect", "targets", "load", "disk", "errors", "publish_memory")
 
 
 def run_benchmark(module: str, *args: str, timeout_s: float = 800) -> subprocess.CompletedProcess:
@@ -76,7 +76,8 @@ def test_tiny_benchmark_writes_every_section(tmp_path):
     assert catch_up["folded"]["checkpoint_write_bytes"] < catch_up["sequential"]["checkpoint_write_bytes"]
     assert result["prefect"] == {"ephemeral": None, "server": None}
     names = [t["target"] for t in result["targets"]]
-    for prefix in ("bytes at 2 % changed", "publish at 2 % changed", "apply at 2 % changed", "dense step: apply",
+    for prefix in ("bytes at 2 % changed", "publish at 2 % changed", "publish a 2 % step from memory",
+                   "apply at 2 % changed", "dense step: apply",
                    "overlap", "catch-up"):
         assert any(n.startswith(prefix) for n in names), prefix
     assert all(t["met"] in (True, False, None) for t in result["targets"])
@@ -84,3 +85,25 @@ def test_tiny_benchmark_writes_every_section(tmp_path):
     assert result["disk"]["peak_bytes"] > 0
     # the temporary model and catalog are gone; only the result files stay
     assert sorted(p.name for p in tmp_path.iterdir()) == ["result.json", "result.png"]
+
+
+def test_publish_benchmark_publishes_from_one_process_and_from_ranks(tmp_path):
+    """``benchmarks.publish`` at a tiny size: the one-process publisher beside its XOR reference, and the sharded
+    example with one and two rank processes, every step a revision in its catalog."""
+    out = tmp_path / "publish.json"
+    done = run_benchmark("benchmarks.publish", "--size-mb", "4", "--steps", "2", "--ranks", "1,2", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["schema"] == "canonical-refit.benchmark.publish.v1"
+    one = result["one_process"]
+    assert [s["version"] for s in one["steps"]] == ["r1", "r2"]
+    for step in one["steps"]:
+        assert 0.005 < step["changed_element_share"] < 0.05 and step["encoded_bytes"] > 0
+        assert step["xor"]["bytes"] == step["model_bytes"]
+        assert set(step["stages"]) == {"plan revision", "encode payload", "upload payload", "write record"}
+    assert one["goal"]["met"] == (one["goal"]["measured"] >= 0.5)
+    assert [row["ranks"] for row in result["sharded"]] == [1, 2]
+    for row in result["sharded"]:
+        assert row["versions"] == ["r0", "r1", "r2"]  # every step one revision, from every rank together
+        assert len(row["best"]["per_rank_gb_s"]) == row["ranks"]
+        assert row["best"]["model_bytes"] == one["best"]["model_bytes"]  # the ranks hold the whole model
+    assert "publish from memory >= 0.5 x in-memory XOR" in done.stdout

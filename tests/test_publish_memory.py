@@ -232,3 +232,23 @@ def write_safetensors_folder(folder, tensors) -> None:
     with open(folder / "model.safetensors", "wb") as fh:
         write_safetensors(fh, [(n, "F32", list(a.shape), as_bytes(n, a)[0]) for n, a in sorted(tensors.items())],
                           {"format": "pt"})
+
+
+def test_a_trainer_updating_its_tensors_in_place_publishes_each_step_exactly(tmp_path):
+    """The kept base in memory is overwritten in its own buffers step after step (no fresh pages); a trainer
+    that updates the same tensors in place between publishes still gets each step's exact delta: the records
+    are those of a publisher reading each step from its own folder."""
+    trainer = {name: (t.clone() if isinstance(t, torch.Tensor) else t.copy()) for name, t in step(0).items()}
+    memory, folder = f"file://{tmp_path}/memory/catalog", f"file://{tmp_path}/folder/catalog"
+    for n in range(5):
+        for name, value in step(n).items():  # an optimizer step: the trainer's own buffers change in place
+            trainer[name][...] = value
+        kind = "initial" if n == 0 else "delta"
+        a = api.publish(trainer, catalog=memory, model=MODEL, kind=kind, keep_base="memory",
+                        state_dir=tmp_path / "state-memory", emit_event=False, workers=2)
+        b = api.publish(write_folder(tmp_path / f"step-{n}", step(n)), catalog=folder, model=MODEL, kind=kind,
+                        state_dir=tmp_path / "state-folder", emit_event=False, workers=2)
+        assert (a.version, a.target_digest, a.encoded_bytes) == (b.version, b.target_digest, b.encoded_bytes), n
+        if n:
+            assert (tmp_path / f"memory/revisions/r{n}/bucket-00000.safetensors").read_bytes() == \
+                (tmp_path / f"folder/revisions/r{n}/bucket-00000.safetensors").read_bytes()

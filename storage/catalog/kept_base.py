@@ -125,17 +125,21 @@ class PublisherCopy:
         return snapshot_of(checkpoint, checksum_format, workers=workers, checksums=known)
 
     def keep(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
-             checksums: Mapping[str, str]) -> None:
+             checksums: Mapping[str, str], *, workers: int = 4) -> None:
         """Replace the kept copy with ``source`` (a folder, or tensors in memory) as published under ``version``.
 
         In memory, the tensors are copied (the trainer's own ones change with
-        its next step); on disk, tensors in memory are written as their one
+        its next step) by ``workers`` threads into the buffers of the copy they
+        replace (given up first: a copy that fails midway is no copy); on disk, tensors in memory are written as their one
         shard (``storage.format.tensor_source``), into a folder of their own;
         ``last.json`` is switched to it only once it is complete and durable,
         then the older copies are removed.
         """
         if self.in_memory and isinstance(source, MemoryCheckpoint):
-            kept = _KeptInMemory(version, checksum_format, dict(checksums), source.copy())
+            with _IN_MEMORY_LOCK:
+                old = _IN_MEMORY.pop(self.root.resolve(), None)
+            tensors = source.copy(reuse=old.checkpoint if old else None, workers=workers)
+            kept = _KeptInMemory(version, checksum_format, dict(checksums), tensors)
             with _IN_MEMORY_LOCK:
                 _IN_MEMORY[self.root.resolve()] = kept
             return

@@ -94,10 +94,26 @@ class MemoryCheckpoint(TensorTable):
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             return dict(pool.map(one, wanted))
 
-    def copy(self) -> "MemoryCheckpoint":
-        """A copy that owns its bytes (a kept base must not move when the trainer's tensors do)."""
+    def copy(self, *, reuse: "MemoryCheckpoint | None" = None, workers: int = 4) -> "MemoryCheckpoint":
+        """A copy that owns its bytes (a kept base must not move when the trainer's tensors do), copied by
+        ``workers`` threads, largest tensor first.
+
+        ``reuse``: an earlier copy, given up by its owner, whose buffers are
+        overwritten when every tensor's dtype and shape match (fresh pages
+        cost a page fault each: a copy into new memory runs at a tenth of a
+        copy into memory already touched).
+        """
+        same = reuse is not None and reuse._arrays.keys() == self._arrays.keys() and all(
+            reuse._arrays[n].dtype == a.dtype and reuse._arrays[n].shape == a.shape for n, a in self._arrays.items())
+        arrays = reuse._arrays if same else {n: np.empty_like(a) for n, a in self._arrays.items()}
+
+        def one(name: str) -> None:
+            np.copyto(arrays[name], self._arrays[name])
+
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            list(pool.map(one, sorted(arrays, key=lambda n: -arrays[n].nbytes)))
         kept = object.__new__(MemoryCheckpoint)
-        kept._arrays = {n: a.copy() for n, a in self._arrays.items()}
+        kept._arrays = arrays
         kept.headers, kept.tensors = self.headers, self.tensors
         return kept
 
