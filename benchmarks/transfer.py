@@ -12,6 +12,14 @@ measures ``ObjectStore`` with its default settings:
 * create-only upload of the same (``put_immutable_file``; multipart for the
   large object).
 
+Then one full shard (default 265 MiB) behind a slower cap (default 12.5 MB/s
+per connection): its download against min(connections × cap, ceiling), goal
+0.8 (ranges sized to the object fill every connection to the end), and a
+download killed (SIGKILL, in a process of its own) at 53 % of the object then
+run again: the bytes the rerun fetches over the bytes the killed run had not
+received, goal at most 1.1 (resume inside ranges, from the last recorded
+byte).
+
 Each rate is compared with the bound min(connections × per-connection cap,
 loopback ceiling), the ceiling being the same transfer through the same proxy
 without cap or latency, measured in the same run; the goal is a ratio of at
@@ -62,6 +70,7 @@ MB = 10**6
 MIB = 2**20
 BUCKET = "bench"
 GOAL = 0.8
+RESUME_GOAL = 1.1
 _XMLNS = 'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"'
 
 
@@ -265,6 +274,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128
 
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away (a killed download) is no error of the server's; anything else is printed."""
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
 
 def serve(root: Path) -> None:
     """Serve ``root`` on 127.0.0.1 (a free port, printed) until SIGTERM."""
@@ -453,12 +467,89 @@ class Bench:
                 curve.append(Row(f"range {mib} MiB, {n} connections", big.stat().st_size, seconds, n,
                                  a.cap_mb_s, big_ceiling, mib))
                 _print_row(curve[-1])
+        shard = None if a.curve_only or not a.shard_mib else self.shard()
+        if shard:
+            rows.append(shard["row"])
         met = all(r.ratio >= GOAL for r in rows) if rows else None
         if rows:
             print(f"\ngoal: every ratio >= {GOAL} with default settings: {'met' if met else 'NOT met'}")
+        if shard:
+            r = shard["resume"]
+            print(f"goal: a rerun after kill -9 at {r['killed_at']:.0%} fetches <= {RESUME_GOAL} x the missing "
+                  f"bytes: {r['ratio']:.3f} x ({r['fetched_bytes'] / MB:.1f} of {r['missing_bytes'] / MB:.1f} MB) "
+                  f"{'met' if r['met'] else 'NOT met'}")
         config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items() if k != "serve"}
         return {"schema": "canonical-refit.benchmark.transfer.v1", "config": config | {"connections": conns},
-                "rows": [r.as_dict() for r in rows], "curve": [r.as_dict() for r in curve], "goal_met": met}
+                "rows": [r.as_dict() for r in rows], "curve": [r.as_dict() for r in curve], "goal_met": met,
+                "resume": shard and shard["resume"]}
+
+    def shard(self) -> dict:
+        """One full shard behind the slower cap: its download's ratio, then a download killed at
+        ``--kill-at`` of the object and its rerun (bytes fetched against bytes missing)."""
+        from storage.objects.store import TransferStats
+
+        a = self.args
+        shard = self.make("shard.safetensors", a.shard_mib * MIB)
+        size = shard.stat().st_size
+        capped, free = self.proxy(a.shard_cap_mb_s, a.latency_ms), self.proxy(0, 0)
+        free_s, capped_s = [], []
+        for _ in range(a.repeat):
+            free_s.append(self.download(self.store(free), [shard.name], True))
+            capped_s.append(self.download(self.store(capped), [shard.name], True))
+        conns = self.store(capped).settings.concurrency
+        row = Row(f"download 1 shard of {a.shard_mib} MiB at {a.shard_cap_mb_s:g} MB/s", size, min(capped_s), conns,
+                  a.shard_cap_mb_s, size / min(free_s) / MB)
+        _print_row(row)
+
+        self.clear_downloads()
+        dest = self.out / shard.name
+        child = subprocess.Popen([sys.executable, "-m", "benchmarks.transfer", "--child-download",
+                                  f"s3://{BUCKET}/{shard.name}", "--child-dest", str(dest), "--child-endpoint",
+                                  capped], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+        received = 0
+        for line in child.stdout:
+            if not line.startswith("landed "):
+                continue
+            received = int(line.split()[-1])
+            if received >= a.kill_at * size:
+                os.kill(child.pid, signal.SIGKILL)
+                break
+        child.wait(timeout=60)
+        if child.returncode != -signal.SIGKILL:
+            raise RuntimeError(f"the download to be killed ended on its own ({child.returncode})")
+        stats = TransferStats()
+        store = self.store(capped)
+        store.stats = stats
+        started = time.perf_counter()
+        store.download(f"s3://{BUCKET}/{shard.name}", dest)
+        seconds = time.perf_counter() - started
+        if not _same_file(shard, dest):
+            raise AssertionError("the resumed download is not byte-exact")
+        missing = size - received
+        ratio = stats.bytes_read / missing
+        resume = {"size": size, "killed_at": received / size, "received_bytes": received, "missing_bytes": missing,
+                  "fetched_bytes": stats.bytes_read, "ratio": round(ratio, 4), "goal": RESUME_GOAL,
+                  "met": ratio <= RESUME_GOAL, "rerun_s": round(seconds, 2)}
+        return {"row": row, "resume": resume}
+
+
+def _child_download(args: argparse.Namespace) -> int:
+    """Download one object, printing the bytes landed after each chunk (the parent kills it midway)."""
+    from storage.objects.store import ObjectStore
+    from storage.settings import ObjectStoreSettings
+
+    _set_env({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_EC2_METADATA_DISABLED": "true"})
+    store = ObjectStore(ObjectStoreSettings(endpoint_url=args.child_endpoint, region="us-east-1",
+                                            addressing_style="path"))
+    landed = 0
+
+    def progress(n: int) -> None:
+        nonlocal landed
+        landed += n
+        print(f"landed {landed}", flush=True)
+
+    store.download(args.child_download, args.child_dest, progress=progress)
+    return 0
 
 
 def _set_env(values: dict[str, str | None]) -> None:
@@ -499,6 +590,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="range sizes of the curve, MiB")
     add("--curve-connections", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16],
         help="connection budgets of the curve")
+    add("--shard-mib", type=int, default=265, help="the full shard of the resume measurement, MiB (0 skips it)")
+    add("--shard-cap-mb-s", type=float, default=12.5, help="per-connection cap of the shard's measurements, MB/s")
+    add("--kill-at", type=float, default=0.53, help="share of the shard received when its download is killed")
     add("--repeat", type=int, default=2, help="runs of each transfer; the best counts")
     add("--curve-only", action="store_true", help="measure the download ceiling and the curve only")
     add("--quick", action="store_true", help="a smoke run: objects of at most 200 MB, one run each, "
@@ -506,9 +600,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one, removed)")
     add("--json", type=Path, default=None, help="also write the results here")
     add("--serve", type=Path, default=None, help=argparse.SUPPRESS)  # internal: run the S3 server
+    add("--child-download", help=argparse.SUPPRESS)  # internal: the download to be killed
+    add("--child-dest", type=Path, help=argparse.SUPPRESS)
+    add("--child-endpoint", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.size_mb, args.revision_mb = min(args.size_mb, 200), min(args.revision_mb, 200)
+        args.shard_mib = min(args.shard_mib, 64)
         args.curve_ranges, args.curve_connections = args.curve_ranges[:1], args.curve_connections[:2]
         args.repeat = 1
     return args
@@ -519,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve is not None:
         serve(args.serve)
         return 0
+    if args.child_download:
+        return _child_download(args)
     root = Path(tempfile.mkdtemp(prefix="transfer-bench-", dir=args.workdir))
     bench = None
     try:

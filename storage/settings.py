@@ -84,8 +84,9 @@ class ObjectStoreSettings(BaseSettings):
                             description="bytes per multipart-upload part (S3: 5 MiB to 5 GiB) and per "
                                         "ranged read of a content comparison")
     range_size: int = Field(32 * MIB, ge=256 * 2**10, le=5 * 2**30, description=(
-        "bytes per byte range of a download: a larger object is fetched as ranges in parallel on the "
-        "connection budget, and resumes range by range after an interruption. Measured against a proxy "
+        "the largest byte range of a download: a larger object is fetched as ranges in parallel on the "
+        "connection budget, sized to fill whole waves of `concurrency` (not below 8 MiB), and resumes from the "
+        "last recorded byte of each range after an interruption. Measured against a proxy "
         "modelling S3 (100 MB/s per connection, 5 ms per request; `python -m benchmarks.transfer --curve-only`, "
         "8 connections): a 2000 MB object came at 299/446/483 MB/s with 16/32/64 MiB ranges, a 256 MiB "
         "bucket at 491/520/340 MB/s (64 MiB ranges leave half the connections idle): 32 MiB is the best "

@@ -25,7 +25,7 @@ from storage.errors import (
 )
 from storage.objects.store import ObjectStore, TransferStats
 from storage.objects.multipart import S3Multipart, upload_parts
-from storage.objects.transfer import STREAM_CHUNK, partial_paths
+from storage.objects.transfer import STREAM_CHUNK, partial_paths, range_plan
 from storage.urls import join_url
 from testbed.s3proxy import Faults, peak_open
 
@@ -152,9 +152,14 @@ def test_a_fault_in_one_range_retries_that_range_only(s3, tmp_path, kind):
         assert (tmp_path / "f.bin").read_bytes() == data
         gets = proxy.requests(_key(url), "GET")
         assert proxy.injected() == {kind: 1}
-        assert sorted(r.range for r in gets if r.range != bad) == sorted(
-            f"bytes={i * MIB}-{(i + 1) * MIB - 1}" for i in (0, 1, 3, 4))
-        assert [r.fault for r in gets if r.range == bad] == [kind, None]
+        others = [r for r in gets if not (r.range or "").startswith("bytes=2")]
+        assert sorted(r.range for r in others) == sorted(f"bytes={i * MIB}-{(i + 1) * MIB - 1}" for i in (0, 1, 3, 4))
+        faulted = [r for r in gets if r not in others]
+        assert [r.fault for r in faulted] == [kind, None] and faulted[0].range == bad
+        if kind == "truncate":  # the retry asks only for what the cut body did not bring
+            assert faulted[1].range == f"bytes={2 * MIB + faulted[0].sent}-{3 * MIB - 1}" and faulted[0].sent > 0
+        else:
+            assert faulted[1].range == bad
     # aiohttp itself resends an idempotent request once after a reset on a kept-alive connection
     assert stats.retries == (0 if kind == "reset" else 1)
 
@@ -191,6 +196,58 @@ def test_a_killed_download_resumes_with_the_missing_ranges(s3, tmp_path):
     assert dest.read_bytes() == data
     assert sum(landed) == size  # the adopted bytes are reported once
     assert not part.exists() and not record.exists()
+
+
+def test_a_killed_download_resumes_inside_its_ranges_from_the_last_recorded_byte(s3, tmp_path):
+    """Two 4 MiB ranges in flight, killed midway: the rerun asks each range for its bytes after the last
+    recorded one, so it fetches what the killed run had not received plus at most one checkpoint's worth."""
+    size = 8 * MIB
+    url, data = _object(s3, "resume-bytes.bin", size)
+    dest = tmp_path / "resume-bytes.bin"
+    part, record = partial_paths(dest)
+    with s3.proxy(bandwidth_bps=1e6) as slow:
+        child = _child(["download", url, str(dest)], endpoint_url=slow.url, region="us-east-1",
+                       range_size=str(4 * MIB), concurrency="2")
+        try:
+            _wait_for(lambda: sum((_record(dest) or {}).get("partial", {}).values()) >= 2 * MIB,
+                      "two recorded MiB", child)
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+        received = sum(r.sent for r in slow.requests(_key(url), "GET"))
+    kept = _record(dest)
+    assert kept["done"] == [] and kept["range_size"] == 4 * MIB and set(kept["partial"]) <= {"0", "1"}
+    recorded = sum(kept["partial"].values())
+    assert 2 * MIB <= recorded <= received
+    with s3.proxy() as proxy:
+        landed = []
+        assert ObjectStore(s3.settings(proxy.url, range_size=4 * MIB)).download(url, dest,
+                                                                               progress=landed.append) == size
+        gets = proxy.requests(_key(url), "GET")
+        fetched = sum(r.sent for r in gets)
+    assert fetched == size - recorded  # not one recorded byte again
+    assert fetched <= (size - received) + MIB + 2 * STREAM_CHUNK  # a kill costs at most a checkpoint (1 MiB here)
+    starts = {int(k) * 4 * MIB + n for k, n in kept["partial"].items()}
+    assert starts <= {start for start, _ in _ranges(gets)}
+    assert dest.read_bytes() == data and sum(landed) == size
+    assert not part.exists() and not record.exists()
+
+
+def test_ranges_are_sized_so_the_last_wave_does_not_run_alone(s3, tmp_path):
+    mib = MIB
+    assert range_plan(265 * mib, 32 * mib, 8) == 16.75 * mib  # 16 ranges: two whole waves, not 8 and a lone ninth
+    assert range_plan(2000 * 10**6, 32 * mib, 8) == 30 * mib  # 64 ranges: eight waves
+    assert range_plan(20 * mib, 32 * mib, 8) == 32 * mib  # one range: one GET
+    assert range_plan(40 * mib, 32 * mib, 8) == 8 * mib  # not split below 8 MiB for whole waves
+    assert range_plan(9 * mib, mib, 4) == mib  # never above the configured size
+    size = 40 * MIB
+    url, data = _object(s3, "waves.bin", size)
+    with s3.proxy() as proxy:
+        assert ObjectStore(s3.settings(proxy.url, range_size=16 * MIB, concurrency=4)).download(
+            url, tmp_path / "waves.bin") == size
+        assert sorted(_ranges(proxy.requests(_key(url), "GET"))) == [(i * 10 * MIB, (i + 1) * 10 * MIB)
+                                                                     for i in range(4)]
+    assert (tmp_path / "waves.bin").read_bytes() == data
 
 
 @pytest.mark.parametrize("change", ["url", "size", "identity", "range_size", "done", "unreadable", "short part"])
@@ -444,15 +501,21 @@ def test_the_transfer_benchmark_runs_end_to_end(tmp_path):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, "-m", "benchmarks.transfer", "--quick", "--size-mb", "24",
                            "--revision-mb", "16", "--objects", "4", "--curve-ranges", "8", "--curve-connections", "2",
-                           "--workdir", str(tmp_path), "--json", str(out)],
+                           "--shard-mib", "24", "--shard-cap-mb-s", "2", "--workdir", str(tmp_path), "--json", str(out)],
                           cwd=ROOT, env=os.environ | {"PYTHONPATH": path}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, f"benchmarks.transfer exited with {done.returncode}:\n{done.stdout[-3000:]}\n" \
                                  f"{done.stderr[-3000:]}"
     result = json.loads(out.read_text())
     assert result["schema"] == "canonical-refit.benchmark.transfer.v1"
-    assert [r["what"].split()[0] for r in result["rows"]] == ["download", "download", "upload", "upload"]
+    assert [r["what"].split()[0] for r in result["rows"]] == ["download", "download", "upload", "upload", "download"]
+    assert result["rows"][-1]["what"].startswith("download 1 shard of 24 MiB")
+    resume = result["resume"]  # the download killed at 53 % and run again
+    assert resume["size"] == 24 * MIB and 0.53 <= resume["killed_at"] < 1
+    assert 0 < resume["fetched_bytes"] <= resume["size"] and resume["missing_bytes"] == 24 * MIB - resume["received_bytes"]
+    assert resume["met"] == (resume["ratio"] <= 1.1)
     assert all(r["bytes"] > 0 and r["seconds"] > 0 and r["ratio"] > 0 for r in result["rows"] + result["curve"])
     assert [(r["range_mib"], r["connections"]) for r in result["curve"]] == [(8, 2)]
     assert "goal: every ratio >= 0.8 with default settings" in done.stdout
+    assert "goal: a rerun after kill -9 at" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transfer.json"]  # the scratch folder is gone

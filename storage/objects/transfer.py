@@ -6,13 +6,19 @@ upload part runs on one of its threads. Callers submit requests and wait
 without holding a slot, so a large download never keeps slots idle and no
 caller waits for a slot held by another waiting caller.
 
-``download`` fetches an object longer than ``range_size`` as fixed-size byte
-ranges in parallel, each streamed in chunks of ``STREAM_CHUNK`` bytes and
-written in place (``pwrite``) into ``.{name}.part`` next to ``dest``. A range
-counts only once its bytes are fsynced and listed in the durable record
-``.{name}.part.json`` (url, size, ETag, range size, completed ranges), so a
-download killed at any instant resumes with the missing ranges, never trusts
-unrecorded bytes, and ``dest`` only ever appears whole (a rename). Remote
+``download`` fetches an object longer than ``range_size`` as byte ranges in
+parallel, sized to the object (``range_plan``: at most ``range_size``, and as
+many ranges as whole waves of the connection budget, so the last wave never
+runs alone), each streamed in chunks of ``STREAM_CHUNK`` bytes and written in
+place (``pwrite``) into ``.{name}.part`` next to ``dest``. Bytes count only
+once they are fsynced and listed in the durable record ``.{name}.part.json``
+(url, size, ETag, range size, ``done``: completed ranges, ``partial``: the
+first bytes of ranges still going, by range): a range is recorded when it
+completes, and the ranges in flight every ``checkpoint_bytes`` landed (at
+most every 25 ms). So a download killed at any instant resumes from the last
+recorded byte of every range, never trusts unrecorded bytes, and ``dest``
+only ever appears whole (a rename). A range retried in the same process
+resumes where its bytes stopped. Remote
 requests go through ``ObjectStore.call`` one range at a time (retried and
 counted); local file errors become ``StoreError`` naming the local path.
 
@@ -52,6 +58,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("canonical_refit.transfer")
 STREAM_CHUNK = 2**19  # bytes per read of a streamed body: a cancel is seen within one chunk
+RANGE_ALIGN = 2**18  # range sizes are multiples of this
+MIN_PLANNED_RANGE = 8 * 2**20  # ranges are not split below this for the sake of whole waves
+CHECKPOINT_INTERVAL_S = 0.025  # the ranges in flight are recorded at most this often
+
+
+def range_plan(size: int, range_size: int, connections: int) -> int:
+    """The range size of a download of ``size`` bytes: at most ``range_size``, with the ranges in whole waves of
+    ``connections`` (8 connections and 32 MiB: a 265 MiB object is 16 ranges of 16.75 MiB, not 8 of 32 MiB and
+    a lone ninth); never below ``min(range_size, 8 MiB)``, each request's own cost."""
+    if size <= range_size:
+        return range_size
+    waves = -(-size // (connections * range_size))
+    planned = -(-size // (waves * connections))
+    planned = -(-planned // RANGE_ALIGN) * RANGE_ALIGN
+    return max(min(range_size, MIN_PLANNED_RANGE), min(range_size, planned))
 
 
 class _Stopped(Cancelled):
@@ -272,7 +293,12 @@ class _Download:
         self.failed = threading.Event()
         self.size, self.identity, self.fd = 0, None, -1
         self.done: set[int] = set()
-        self._landed: dict[int, int] = {}
+        self._landed: dict[int, int] = {}  # bytes reported, by range
+        self._written: dict[int, int] = {}  # bytes of each range in the partial file (recorded or not)
+        self._recorded: dict[int, int] = {}  # bytes of each unfinished range listed in the record
+        self._record_lock = threading.Lock()
+        self._unrecorded, self._recorded_at = 0, 0.0
+        self.checkpoint_bytes = 0
 
     def check(self) -> None:
         """Raise if the caller cancelled, or another range of this download failed."""
@@ -321,10 +347,13 @@ class _Download:
             raise
 
     def _ranged(self) -> None:
-        rs, size = self.range_size, self.size
+        size = self.size
+        self.range_size = rs = range_plan(size, self.range_size, self.store.budget.slots)
+        self.checkpoint_bytes = max(2 * STREAM_CHUNK, size // 64)
         ranges = {i: (start, min(start + rs, size)) for i, start in enumerate(range(0, size, rs))}
-        self.done = self._adopt(len(ranges))
-        have = sum(end - start for i, (start, end) in ranges.items() if i in self.done)
+        self.done, partial = self._adopt(ranges)
+        self._written, self._recorded, self._landed = dict(partial), dict(partial), dict(partial)
+        have = sum(end - start for i, (start, end) in ranges.items() if i in self.done) + sum(partial.values())
         if have:
             log.info("resuming the download of %s: %d of %d bytes are already in %s", self.url, have, size, self.part)
             self._report(have)
@@ -335,8 +364,9 @@ class _Download:
                                   on_success=self._commit)
             self._finish()
         except BaseException:
-            if self.done and self.identity is not None:
+            if (self.done or self._recorded) and self.identity is not None:
                 kept = sum(end - start for i, (start, end) in ranges.items() if i in self.done)
+                kept += sum(n for i, n in self._recorded.items() if i not in self.done)
                 log.info("download of %s stopped with %d of %d bytes recorded in %s; the next download resumes",
                          self.url, kept, size, self.part)
             else:
@@ -351,24 +381,31 @@ class _Download:
 
     def _stream(self, index: int, start: int, end: int | None) -> int:
         self.check()
-        length = (self.size if end is None else end) - start
-        got = 0
-        with self.source.open(start, end, self.identity, self.check) as (announced, chunks):
+        stop = self.size if end is None else end
+        origin = self._written.get(index, 0) if end is not None else 0  # the range's bytes already in the file
+        first = start + origin
+        if first >= stop:
+            return stop - start
+        length, got = stop - first, 0
+        with self.source.open(first, end, self.identity, self.check) as (announced, chunks):
             if announced is not None and announced != length:
                 raise TransientStorageError(f"the server answered {announced} bytes for a request of {length} "
-                                            f"at offset {start}", file=self.url)
+                                            f"at offset {first}", file=self.url)
             for chunk in chunks:
                 self.check()
                 if got + len(chunk) > length:
                     raise TransientStorageError(f"the body is longer than the {length} bytes asked for "
-                                                f"at offset {start}", file=self.url)
-                self._write(chunk, start + got)
+                                                f"at offset {first}", file=self.url)
+                self._write(chunk, first + got)
                 got += len(chunk)
                 self.store.stats.add(bytes_read=len(chunk))
-                self._land(index, got)
+                self._land(index, origin + got)
+                if end is not None:
+                    self._written[index] = origin + got
+                    self._checkpoint(len(chunk))
         if got != length:
-            raise TransientStorageError(f"short read: {got} of {length} bytes at offset {start}", file=self.url)
-        return got
+            raise TransientStorageError(f"short read: {got} of {length} bytes at offset {first}", file=self.url)
+        return stop - start
 
     # -- local files (never classified as remote errors) ----------------------------------------
 
@@ -418,8 +455,9 @@ class _Download:
         except OSError as exc:
             raise local_error(exc, self.part, self.url, "writing the partial download") from exc
 
-    def _adopt(self, count: int) -> set[int]:
-        """The completed ranges of a matching record; anything else starts from zero."""
+    def _adopt(self, ranges: dict[int, tuple[int, int]]) -> tuple[set[int], dict[int, int]]:
+        """The completed ranges and the recorded first bytes of the others, of a matching record; anything else
+        starts from zero."""
         try:
             record = json.loads(self.record.read_bytes())
         except FileNotFoundError:
@@ -428,27 +466,53 @@ class _Download:
             record = "unreadable"
         want = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size}
         done = record.get("done") if isinstance(record, dict) else None
-        if (self.identity is not None and isinstance(done, list)
+        partial = record.get("partial", {}) if isinstance(record, dict) else None
+        count = len(ranges)
+        if (self.identity is not None and isinstance(done, list) and isinstance(partial, dict)
                 and all(record.get(k) == v for k, v in want.items())
                 and all(type(i) is int and 0 <= i < count for i in done)
+                and all(k.isdigit() and int(k) < count and int(k) not in done and type(n) is int
+                        and 0 < n <= ranges[int(k)][1] - ranges[int(k)][0] for k, n in partial.items())
                 and self._local("reading the partial download", self.part, os.fstat, self.fd).st_size >= self.size):
-            return set(done)
+            partial = {int(k): n for k, n in partial.items()}
+            whole = {i for i, n in partial.items() if n == ranges[i][1] - ranges[i][0]}  # written, not yet listed
+            return set(done) | whole, {i: n for i, n in partial.items() if i not in whole}
         if record is not None:
             log.info("not resuming %s: the record %s is for another object, version or range size",
                      self.url, self.record)
         self._discard_record()
         self._local("preparing the partial download", self.part, self._truncate, self.size)
-        return set()
+        return set(), {}
 
     def _commit(self, indices: list[int]) -> None:
         """Ranges whose bytes are written: fsync them, then record them (durably, atomically)."""
+        with self._record_lock:
+            self.done.update(indices)
+            self._record()
+
+    def _checkpoint(self, n: int) -> None:
+        """After ``n`` more bytes landed: record the ranges in flight once ``checkpoint_bytes`` are unrecorded
+        (a kill then costs at most that much again). Skipped while another thread records."""
+        self._unrecorded += n
+        if (self._unrecorded < self.checkpoint_bytes or time.monotonic() - self._recorded_at < CHECKPOINT_INTERVAL_S
+                or not self._record_lock.acquire(blocking=False)):
+            return
+        try:
+            self._record()
+        finally:
+            self._record_lock.release()
+
+    def _record(self) -> None:
+        """fsync the partial file, then write the record of what it held before the fsync (under the lock)."""
+        written = {i: n for i, n in list(self._written.items()) if i not in self.done and n > 0}
+        self._unrecorded, self._recorded_at = 0, time.monotonic()
         self._local("syncing the partial download", self.part, os.fsync, self.fd)
-        self.done.update(indices)
         if self.identity is None:
             return  # nothing to check a later resume against: not resumable
         record = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size,
-                  "done": sorted(self.done)}
+                  "done": sorted(self.done), "partial": {str(i): n for i, n in sorted(written.items())}}
         self._local("recording the completed ranges", self.record, atomic_write_json, self.record, record)
+        self._recorded = written
 
     def _finish(self) -> None:
         """fsync, rename the partial file onto ``dest``, drop the record, fsync the folder."""
