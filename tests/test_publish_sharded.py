@@ -136,3 +136,54 @@ def test_a_rank_that_never_comes_makes_nothing_visible_and_the_next_publication_
     assert {(r.version, r.sequence) for r in results} == {("r2", 2)}
     launch = write_checkpoint(tmp_path / "launch", steps[0], shards=SHAPE.shards)
     assert refit(root, launch, "latest").target_digest == independent_digest(steps[1])[1]
+
+
+def publish_by_processes(root: Path, folders: list[Path], publication: str, *, kill: dict[int, str],
+                         timeout_s: float) -> list[subprocess.CompletedProcess]:
+    """Every rank as ``python -m flows.publish --rank R ...``; rank R is killed (SIGKILL) at killpoint
+    ``kill[R]``."""
+    import os
+
+    procs = []
+    for r, folder in enumerate(folders):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CANONICAL_REFIT_KILLPOINT")}
+        if r in kill:
+            env["CANONICAL_REFIT_KILLPOINT"] = kill[r]
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "flows.publish", "--catalog", f"file://{root}/catalog", "--model", MODEL,
+             "--checkpoint", str(folder), "--rank", str(r), "--world-size", str(len(folders)), "--publication",
+             publication, "--state-dir", str(root / "state"), "--no-event", "--part-timeout", str(timeout_s),
+             "--json"], cwd=ROOT_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+@pytest.mark.parametrize("rank, point", [(1, "publish.part_uploaded"), (0, "publish.planned")])
+def test_a_rank_killed_mid_publish_leaves_nothing_visible_and_does_not_wedge_the_next(tmp_path, rank, point):
+    """A rank killed after uploading its payload (before its part), or rank 0 killed right after its plan:
+    the other ranks fail after the part timeout naming what they waited for, no revision appears, the dead
+    publication's payload is an orphan, and the next publication of the same step goes past by itself."""
+    steps = [random_model(SHAPE, seed=20)]
+    steps.append(train_step(steps[0], seed=21))
+    root = tmp_path / "sharded"
+    by_ranks(root, steps[0], "initial", "k-0")
+    folders = [write_checkpoint(tmp_path / f"rank{r}-step1", part, shards=1) for r, part in enumerate(split(steps[1]))]
+    done = publish_by_processes(root, folders, "k-1", kill={rank: point}, timeout_s=8)
+    assert done[rank].returncode == -9, done[rank].stderr[-2000:]
+    for r, out in enumerate(done):
+        if r != rank:
+            assert out.returncode not in (0, -9), out.stdout[-2000:]
+            assert "timed out" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
+    catalog = Catalog(ObjectStore(), f"file://{root}/catalog", MODEL)
+    assert catalog.versions() == ["r0"]  # nothing visible
+    listed = subprocess.run([sys.executable, "-m", "flows.publish", "orphans", "--catalog", f"file://{root}/catalog",
+                             "--model", MODEL, "--older-than-hours", "0", "--json"], cwd=ROOT_DIR,
+                            capture_output=True, text=True, timeout=120)
+    orphans = json.loads(listed.stdout.strip().splitlines()[-1])["orphans"]
+    if point == "publish.part_uploaded":  # the killed rank's buckets are there, referenced by nothing
+        assert [Path(o["url"]).name.split(".")[0] for o in orphans] == ["r1"] and orphans[0]["objects"] > 0
+
+    again = publish_by_processes(root, folders, "k-1-again", kill={}, timeout_s=120)  # the same command, a new id
+    assert [p.returncode for p in again] == [0] * RANKS, [p.stderr[-1500:] for p in again]
+    assert {json.loads(p.stdout.strip().splitlines()[-1])["version"] for p in again} == {"r2"}
+    launch = write_checkpoint(tmp_path / "launch", steps[0], shards=SHAPE.shards)
+    assert refit(root, launch, "latest").target_digest == independent_digest(steps[1])[1]

@@ -16,7 +16,8 @@ from tasks.installers.sglang_loader import (FAILED, OK, LoaderSettings, LoadRequ
 from lab import Lab, tiny_shape, tree_hash
 from sglang_support import DefaultModelLoader, Faults, LoadFormat, TinySGLangLlama, engine_context, engine_env
 from sglang_support import fake_sglang  # noqa: F401  (fixture)
-from storage.store.local_store import UPDATING, LocalStore, StoreState, now_ms
+from storage.store.local_store import LocalStore, now_ms
+from storage.store.flush import wait_for_flushes
 
 
 def as_torch(bits: np.ndarray) -> torch.Tensor:
@@ -57,6 +58,7 @@ def prepared_template(prefect_api, tmp_path_factory) -> Lab:
         lab.publish(kind)
     state, result = lab.refit()
     assert state.name == "Ready", result.error
+    assert wait_for_flushes(60)  # the write-back after Ready is done: the copies below see a still store
     return lab
 
 
