@@ -300,7 +300,7 @@ def apply_in_place(base: Path, payload: Path, work: Path, *, workers: int, repea
         try:
             index = CheckpointIndex.open(work)
             t0 = time.perf_counter()
-            plans = plan_patches([manifest], {"s1": payload}, index.tensors)
+            plans = plan_patches([manifest], {"s1": payload}, index.tensors, workers=workers)
             validate_s = time.perf_counter() - t0
             stats: dict = {}
             with measured() as m:

@@ -70,7 +70,7 @@ def apply_deltas(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: In
         require_known_tensors(manifest, layout)
     done = materialize(
         rx.store, base, plan.target, indexes.deltas, folders, workers=rx.params.apply_workers,
-        source=ArrivingPlans(indexes.deltas, folders, layout, arrivals),
+        source=ArrivingPlans(indexes.deltas, folders, layout, arrivals, workers=rx.params.apply_workers),
         progress=lambda total: rx.progress("apply", total), on_updating=lambda: rx.ledger.note(
             f"store UPDATING: materializing {plan.target.version} from {base.version}"),
         stop=rx.stop,

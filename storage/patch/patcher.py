@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
@@ -110,19 +111,21 @@ class StaticPlans:
 
 
 def plan_patches(
-    deltas: Sequence[Manifest], folders: Mapping[str, Path], checkpoint: Mapping[str, TensorLocation]
+    deltas: Sequence[Manifest], folders: Mapping[str, Path], checkpoint: Mapping[str, TensorLocation], *,
+    workers: int = 1,
 ) -> list[TensorPlan]:
     """Validate the buckets of ``deltas`` (oldest first) and group their frames per tensor, largest first.
 
     ``folders`` maps each delta version to its artifact folder; ``checkpoint``
-    is the layout the deltas apply to. Raises a ``FormatError`` naming revision,
-    bucket and tensor on the first problem; nothing changes.
+    is the layout the deltas apply to; ``workers`` threads validate each
+    bucket's frames. Raises a ``FormatError`` naming revision, bucket and
+    tensor on the first problem (in bucket and tensor name order); nothing changes.
     """
     steps: dict[str, list[PatchStep]] = {}
     for manifest in deltas:
         for bucket in manifest.files:
             for tensor, step in bucket_steps(manifest, bucket, folders[manifest.version] / bucket,
-                                             checkpoint).items():
+                                             checkpoint, workers=workers).items():
                 steps.setdefault(tensor, []).append(step)
     plans = [TensorPlan(checkpoint[name], tuple(s)) for name, s in steps.items()]
     plans.sort(key=lambda p: (-p.location.nbytes, p.location.name))
@@ -130,8 +133,9 @@ def plan_patches(
 
 
 def bucket_steps(manifest: Manifest, bucket: str, path: Path,
-                 checkpoint: Mapping[str, TensorLocation]) -> dict[str, PatchStep]:
-    """Validate one downloaded bucket completely and return its frame for each tensor."""
+                 checkpoint: Mapping[str, TensorLocation], *, workers: int = 1) -> dict[str, PatchStep]:
+    """Validate one downloaded bucket completely and return its frame for each tensor; ``workers`` threads
+    validate the frames (the first bad one in name order is the error raised)."""
     uri = manifest.file_url(bucket)
     version = manifest.version
     header = read_header(path, revision=version, file=uri)
@@ -165,12 +169,20 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                               checksum, manifest.checksum_format)
     with MappedFiles(path.parent) as maps:
         data = maps.array(path.name)
-        for name, step in list(out.items()):
+
+        def validated(name: str) -> PatchStep:
             # one streaming pass validates the frame (a sparse record whole); nothing is applied
-            summary = validate_frame(step.encoding, memoryview(data[step.start:step.end]), checkpoint[name].nbytes,
-                                     **step.context(name))
-            out[name] = replace(step, validated=summary)
-    return out
+            step = out[name]
+            return replace(step, validated=validate_frame(step.encoding, memoryview(data[step.start:step.end]),
+                                                          checkpoint[name].nbytes, **step.context(name)))
+
+        names = sorted(out)
+        if workers > 1 and len(names) > 1:
+            with ThreadPoolExecutor(min(workers, len(names)), thread_name_prefix="validate") as pool:
+                steps = list(pool.map(validated, names))  # raises the first failure in name order
+        else:
+            steps = [validated(name) for name in names]
+    return dict(zip(names, steps))
 
 
 def apply_patches(

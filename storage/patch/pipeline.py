@@ -161,8 +161,9 @@ class ArrivingPlans:
     """
 
     def __init__(self, deltas: Sequence[Manifest], folders: Mapping[str, Path],
-                 checkpoint: Mapping[str, TensorLocation], arrivals: Arrivals):
+                 checkpoint: Mapping[str, TensorLocation], arrivals: Arrivals, *, workers: int = 1):
         self._deltas, self._folders, self._checkpoint = list(deltas), folders, checkpoint
+        self._workers = workers  # threads validating a bucket's frames
         self._arrivals = arrivals
         self._needs: dict[str, list[tuple[int, str]]] = {}
         rank: dict[tuple[int, str], int] = {}
@@ -220,5 +221,5 @@ class ArrivingPlans:
                 manifest = self._deltas[key[0]]
                 self._arrivals.wait(manifest.version, key[1])
                 path = self._folders[manifest.version] / key[1]
-                self._steps[key] = bucket_steps(manifest, key[1], path, self._checkpoint)
+                self._steps[key] = bucket_steps(manifest, key[1], path, self._checkpoint, workers=self._workers)
             return self._steps[key]

@@ -93,7 +93,7 @@ def materialize(
     base_path = store.absolute(base.path)
     base_index = CheckpointIndex.open(base_path, revision=base.version)
     if source is None:
-        source = StaticPlans(plan_patches(deltas, folders, base_index.tensors))
+        source = StaticPlans(plan_patches(deltas, folders, base_index.tensors, workers=workers))
     source.prepare()
     chain = chain_after(store, base, [m.version for m in deltas], target.version)
     target_dir = store.materialized_dir(target.version)
