@@ -32,8 +32,9 @@ where in SGLang it was raised:
 - ``wire``: the installer's ``/update_weights_from_tensor`` body decoded by SGLang's own
   serializer and request struct, and the ``load_format`` resolved by SGLang's ``dynamic_import``;
 - ``tp rank``: the adapter's ``tp_rank()`` against SGLang's ``get_parallel().tp_rank``;
-- ``weights iterator``: the adapter's ``weights()`` (SGLang's ``_get_weights_iterator``) over the
-  prepared folder, byte for byte, also with the runner's ``ModelConfig`` in the ``Source``;
+- ``weights iterator``: the adapter's ``weights()`` (the loader's own reader, once SGLang's
+  ``_get_weights_iterator`` was built) over the prepared folder, byte for byte, and SGLang's iterator
+  itself with the runner's ``ModelConfig`` in the ``Source``;
 - ``plain module install``: ``load_prepared_checkpoint(module, [])`` into a plain torch module whose
   ``load_weights`` uses SGLang's ``default_weight_loader``;
 - ``model build``: SGLang's ``get_model`` builds its ``LlamaForCausalLM`` on CPU from the launch

@@ -33,7 +33,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterable, Iterator, Literal, Protocol
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -42,6 +42,7 @@ from storage.durable import atomic_write_json, read_json_file, remove_tree
 from storage.errors import FormatError, InstallError
 from storage.store.local_store import READY, LocalStore, now_ms
 from storage.settings import DEFAULT_CACHE_DIR
+from tasks.installers.weights_reader import READ_THREADS, parallel_weights
 
 log = logging.getLogger("canonical_refit.sglang_loader")
 
@@ -59,6 +60,9 @@ class LoaderSettings(BaseSettings):
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the receiver's local checkpoint store")
     model: str | None = Field(None, description="model id whose store the receiver prepares, e.g. org/name")
     loader_lock_timeout_s: float = Field(60.0, gt=0, description="longest wait for the store's shared lock")
+    loader_reader: Literal["parallel", "sglang"] = Field(
+        "parallel", description="who reads the prepared checkpoint's files: the loader's own threaded reader "
+                                "(tasks/installers/weights_reader.py) or SGLang's configured one")
 
 
 # -- the request and report records --------------------------------------------------------------
@@ -191,7 +195,7 @@ class WeightLoader(Protocol):
 
 
 class SGLangDefaultLoader:
-    """SGLang's ``DefaultModelLoader`` with a safetensors ``LoadConfig`` and our own ``Source``.
+    """SGLang's ``DefaultModelLoader`` with a safetensors ``LoadConfig`` and our own ``Source``; our reader.
 
     The runner's ``model_config`` and load config are never touched: the
     ``Source`` points at the prepared folder directly, instead of going through
@@ -200,20 +204,37 @@ class SGLangDefaultLoader:
     without it.
     """
 
-    def __init__(self):
+    def __init__(self, threads: int = READ_THREADS, reader: str | None = None):
         from sglang.srt.configs.load_config import LoadConfig, LoadFormat
         from sglang.srt.model_loader.loader import DefaultModelLoader
 
+        self.threads = threads
+        self.reader = reader or LoaderSettings().loader_reader
         self._cls = DefaultModelLoader
         self._loader = DefaultModelLoader(LoadConfig(load_format=LoadFormat.SAFETENSORS))
 
     def weights(self, model, folder: Path) -> Iterable[tuple[str, object]]:
+        """SGLang resolves and checks the folder as for any load; ``parallel_weights`` reads it.
+
+        With no prefix, no draft model and no ``model_config``, SGLang's
+        iterator adds nothing to the files' tensors but the choice of files,
+        which for our prepared folder is the index's shards, as
+        ``parallel_weights`` reads them. A model that picks its own files
+        (``allow_patterns_overrides``) keeps SGLang's reader, and so does every
+        model with ``CANONICAL_REFIT_LOADER_READER=sglang``. Building SGLang's
+        iterator reads no tensor: its generator has not started.
+        """
+        overrides = getattr(model, "allow_patterns_overrides", None)
         source = self._cls.Source(
             model_or_path=str(folder), revision=None, prefix="", fall_back_to_pt=False,
-            allow_patterns_overrides=getattr(model, "allow_patterns_overrides", None),
+            allow_patterns_overrides=overrides,
             model_config=None,  # not the runner's: nothing of it is read or written
         )
-        return self._loader._get_weights_iterator(source)
+        sglang_weights = self._loader._get_weights_iterator(source)
+        if overrides is not None or self.reader == "sglang":
+            return sglang_weights
+        getattr(sglang_weights, "close", lambda: None)()
+        return parallel_weights(folder, self.threads)
 
     def load(self, model, weights: Iterable[tuple[str, object]]) -> None:
         device = _model_device(model)
@@ -249,10 +270,11 @@ def load_prepared_checkpoint(model, named_tensors, *, settings: LoaderSettings |
     """SGLang custom weight loader: load the checkpoint ``install/request.json`` names into ``model``.
 
     Called by SGLang as ``fn(model, named_tensors)`` in each TP rank; the
-    keyword arguments exist for tests. Validates the request against the store
+    keyword arguments exist for tests and benchmarks. Validates the request against the store
     (state READY, version, digests, file identity) under the store's shared
-    lock, loads through SGLang's ``DefaultModelLoader`` and reports the outcome
-    in ``install/reports/``. Never raises.
+    lock, reads it with ``parallel_weights``, loads it through SGLang's
+    ``DefaultModelLoader`` and reports the outcome in ``install/reports/``.
+    Never raises.
     """
     factory = loader_factory or SGLangDefaultLoader
     try:
