@@ -54,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scaled", type=int, default=0, metavar="APIS",
                    help="scale the server out as Prefect documents: this many API processes, the background "
                         "services in a process of their own, Redis messaging (0: one server process)")
+    p.add_argument("--fan-out", choices=("automation", "agent"), default="automation",
+                   help="who turns a publication into each node's run: a server automation per node, or each agent "
+                        "(deployments.serve --fan-out)")
     p.add_argument("--quick", action="store_true", help="3 nodes, tiny model, 2 publications, 10 s idle")
     p.add_argument("--json", type=Path, help="where to write the result (default benchmarks/results/fleet-*.json)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
@@ -77,9 +80,11 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     shape, share = model_of(args.model)
     names = [f"node{k + 1}" for k in range(args.nodes)]
     result: dict = {"schema": SCHEMA, "machine": machine(), "nodes": args.nodes, "model": args.model,
+                    "fan_out": args.fan_out,
                     "model_bytes": shape.nbytes, "load_average_start": load_average()}
     result["scaled_api_processes"] = args.scaled
-    with FleetLab(root, poll_s=args.poll_seconds, shape=shape, share=share, log=log, scaled=args.scaled) as lab:
+    with FleetLab(root, poll_s=args.poll_seconds, shape=shape, share=share, log=log, scaled=args.scaled,
+                  serve_args=("--fan-out", args.fan_out)) as lab:
         result["server_startup_s"] = round(lab.server.startup_s, 1) if lab.server else None
         log(f"server alone, idle {args.idle_seconds:.0f}s")
         result["idle_server_alone"] = lab.idle(args.idle_seconds)

@@ -33,6 +33,15 @@ run's state is also read every ``cancel_poll_s`` while it runs, a fallback);
 SIGTERM or Ctrl-C stop the agent the same way: the run in progress ends
 ``INTERRUPTED`` with its store recoverable, then the agent exits.
 
+Fan-out of a publication (``PublishFanOut``, ``deployments.serve --fan-out
+agent``): instead of a server automation per node, each agent subscribes to
+the published events of its model and creates its own ``refit-on-publish``
+run for the event's version (one API request per node, idempotent per event
+and deployment), so the server evaluates no per-node automation; the run is
+still a flow run of that deployment in the UI. When its event subscription
+(re)connects, the agent creates one ``refit-latest`` run, for publications
+it could not hear while the stream was down.
+
 A node whose agent was killed (SIGKILL, a crashed host, a rescheduled pod)
 leaves its run ``Running`` on the server; ``deployments/orphans.py`` closes
 such runs (the agent's claims, and Prefect's zombie-run automation).
@@ -76,8 +85,19 @@ class AgentStats:
     wakeups: int = 0  # scheduled-run events received from the server's event stream
     heartbeats: int = 0  # node record refreshes (no Prefect API request)
     heals: int = 0  # refits started because a heartbeat saw the engines drift from the store
+    fan_outs: int = 0  # refit-on-publish runs this agent created for published events (--fan-out agent)
     started_at: float = field(default_factory=time.monotonic)
     run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
+
+
+@dataclass(frozen=True)
+class PublishFanOut:
+    """The agent turns each published event into a run of its own deployment (no server automation)."""
+
+    deployment: str  # the deployment whose runs it creates (refit-on-publish with the node's suffix)
+    event: str  # the event's name
+    resource_prefix: str  # the model's published events: their resource id starts so
+    parameters: Callable[[str], dict]  # the run's parameters for a published version
 
 
 class NodeAgent:
@@ -88,8 +108,12 @@ class NodeAgent:
                  start_now: str | None = None, stop: StopToken | None = None,
                  cancel_poll_s: float = CANCEL_POLL_S, wake_on_events: bool = True,
                  heartbeat: Callable[[bool], Any] | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 zombie_after_s: float | None = None, outcomes: dict[str, Callable[..., Any]] | None = None):
+                 zombie_after_s: float | None = None, outcomes: dict[str, Callable[..., Any]] | None = None,
+                 fan_out: PublishFanOut | None = None):
         self.deployments = deployments
+        self.fan_out = fan_out
+        self._fan_out_id: UUID | None = None
+        self._subscribed_once = False
         # flow name -> outcome(reset=False): the final state the flow's last run reached in this process
         self.outcomes = outcomes or {}
         self.zombie_after_s = zombie_after_s  # None: no zombie automation (flow-run heartbeats are off)
@@ -117,6 +141,8 @@ class NodeAgent:
             deployment_id = deployment.apply()
             self._flows[deployment_id] = self.flows[deployment.flow_name]
             ids.append(deployment_id)
+            if self.fan_out is not None and deployment.name == self.fan_out.deployment:
+                self._fan_out_id = deployment_id
             log.info("registered deployment %s (%s)", deployment.name, deployment_id)
         if self.zombie_after_s:
             ensure_zombie_automation(client, self.zombie_after_s)
@@ -151,8 +177,11 @@ class NodeAgent:
                     if self.heartbeat is not None:
                         threading.Thread(target=self._beat, name="node-heartbeat", daemon=True).start()
                     if self.wake_on_events:
-                        threading.Thread(target=self._listen, args=(api_url, ids), name="run-wakeup",
-                                         daemon=True).start()
+                        threading.Thread(target=self._listen, args=(lambda: self._subscribe(api_url, ids),),
+                                         name="run-wakeup", daemon=True).start()
+                    if self._fan_out_id is not None:
+                        threading.Thread(target=self._listen, args=(lambda: self._subscribe_published(api_url),),
+                                         name="publish-fan-out", daemon=True).start()
                     log.info("node agent ready: %d deployment(s), woken by their scheduled-run events, polling "
                              "every %.1fs", len(ids), self.poll_s)
                     self._serve(client, ids)
@@ -222,8 +251,8 @@ class NodeAgent:
                 self._wake.clear()
                 follow_ups = list(FOLLOW_UP_S)
 
-    def _listen(self, api_url: str, ids: list[UUID]) -> None:
-        """Set ``_wake`` on every ``prefect.flow-run.Scheduled`` event of these deployments, until stopped.
+    def _listen(self, subscription: Callable[[], Any]) -> None:
+        """Run an event subscription (``_subscribe``, ``_subscribe_published``) until stopped.
 
         A failed subscription is retried with a backoff; meanwhile the node still polls every ``poll_s``.
         """
@@ -231,7 +260,7 @@ class NodeAgent:
         while not self.stop.stopped:
             started = time.monotonic()
             try:
-                asyncio.run(self._subscribe(api_url, ids))
+                asyncio.run(subscription())
             except Exception as exc:  # the event stream is down: the polls go on
                 failures += 1
                 (log.warning if failures == 1 else log.debug)(
@@ -259,6 +288,40 @@ class NodeAgent:
                     self._cancelled(event.resource.id.rsplit(".", 1)[-1])
                     continue
                 self.stats.wakeups += 1
+                self._wake.set()
+
+    async def _subscribe_published(self, api_url: str) -> None:
+        """Create a run of the fan-out deployment for every published event of the model, until stopped."""
+        from prefect.client.orchestration import get_client
+        from prefect.events.clients import PrefectEventSubscriber
+        from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+        fan = self.fan_out
+        wanted = EventFilter(event=EventNameFilter(name=[fan.event]),
+                             resource=EventResourceFilter(id_prefix=[fan.resource_prefix]))
+        async with get_client() as client, PrefectEventSubscriber(api_url=api_url, filter=wanted,
+                                                                    reconnect_on_clean_close=True) as events:
+            if self.stats.fan_outs or self._subscribed_once:  # a reconnect: what was published meanwhile
+                if self._latest_id is not None:
+                    await client.create_flow_run_from_deployment(self._latest_id)
+                    log.info("the published-event stream is back: one refit to latest for what it missed")
+            self._subscribed_once = True
+            stream = events.__aiter__()
+            while not self.stop.stopped:
+                try:
+                    event = await asyncio.wait_for(stream.__anext__(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    continue
+                version = (event.payload or {}).get("version")
+                if not isinstance(version, str):
+                    log.warning("published event %s carries no version: ignored", event.id)
+                    continue
+                self.stats.api_requests += 1
+                run = await client.create_flow_run_from_deployment(
+                    self._fan_out_id, parameters=fan.parameters(version),
+                    idempotency_key=f"{event.id}:{self._fan_out_id}")  # one run per event and node
+                self.stats.fan_outs += 1
+                log.info("published %s: created flow run %s of %s", version, run.id, fan.deployment)
                 self._wake.set()
 
     def _cancelled(self, run_id: str) -> None:
@@ -367,7 +430,8 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
                      start_now: str | None = None, cancel_poll_s: float = CANCEL_POLL_S,
                      wake_on_events: bool = True, heartbeat: Callable[[bool], Any] | None = None,
                      heartbeat_s: float = HEARTBEAT_S, zombie_after_s: float | None = None,
-                     outcomes: dict[str, Callable[..., Any]] | None = None) -> AgentStats:
+                     outcomes: dict[str, Callable[..., Any]] | None = None,
+                     fan_out: PublishFanOut | None = None) -> AgentStats:
     """Run a ``NodeAgent`` in a worker thread while the main thread owns the signals."""
     from storage.cancel import signals_stop_the_run
 
@@ -375,7 +439,7 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
     with signals_stop_the_run() as stop:
         agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
                           wake_on_events=wake_on_events, stop=stop, heartbeat=heartbeat, heartbeat_s=heartbeat_s,
-                          zombie_after_s=zombie_after_s, outcomes=outcomes)
+                          zombie_after_s=zombie_after_s, outcomes=outcomes, fan_out=fan_out)
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, args=(lambda: outcome.update(stats=agent.run()),),
                                   name="node-agent", daemon=True)

@@ -42,6 +42,7 @@ import logging  # noqa: E402
 import time  # noqa: E402
 import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
+from typing import Literal  # noqa: E402
 
 from pydantic import Field, ValidationError, field_validator  # noqa: E402
 from pydantic_settings import BaseSettings, SettingsConfigDict  # noqa: E402
@@ -100,6 +101,11 @@ class ServeSettings(BaseSettings):
         None, ge=30, description="a refit run whose Prefect flow-run heartbeats stop for this many seconds without "
                                  "a final state is marked Crashed by a server automation (its agent is gone); "
                                  "default: three heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s by default)")
+    fan_out: Literal["automation", "agent"] = Field(
+        "automation", description="who turns a published event into this node's run: a server automation per "
+                                  "node (the deployment's trigger), or the agent itself, subscribed to the published "
+                                  "events (no automation per node for the server to evaluate; needs the event "
+                                  "stream; docs/fleet.md)")
     wake_on_events: bool = Field(True, description="wake the agent when a run of its deployments is scheduled, from "
                                                    "the server's event stream (one websocket per node), so that "
                                                    "triggered runs start at once; without it only the polls find them")
@@ -150,7 +156,7 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
     )
     on_publish = refit.to_deployment(
         f"refit-on-publish{suffix}",
-        triggers=[on_publish_trigger(params, suffix)],
+        triggers=[on_publish_trigger(params, suffix)] if settings.fan_out == "automation" else [],
         parameters=refit_parameters(params, target="latest", only_if_newer=True),
         description=f"Refit {params.model} to each version announced by {EVENT}; older versions are skipped.",
         tags=TAGS,
@@ -172,7 +178,7 @@ NODE_FLAGS = [
 ]
 SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
                Flag("heartbeat_s", "--heartbeat-seconds"), Flag("zombie_after_s", "--zombie-after"),
-               Flag("wake_on_events", "--no-event-wakeups", invert=True)]
+               Flag("wake_on_events", "--no-event-wakeups", invert=True), Flag("fan_out")]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -256,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: PREFECT_API_URL is not set. Start a server (prefect server start) and export "
               "PREFECT_API_URL=http://127.0.0.1:4200/api first.", file=sys.stderr)
         return 2
-    from deployments.agent import serve_in_process
+    from deployments.agent import PublishFanOut, serve_in_process
     from flows.publish import publish
     from flows.refit import refit
 
@@ -270,13 +276,22 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.installers import make_installer
 
     node_report.heartbeat_interval_s = settings.heartbeat_s
+    fan_out = None
+    if settings.fan_out == "agent":
+        if not settings.wake_on_events:
+            print("error: --fan-out agent hears publications on the event stream: drop --no-event-wakeups",
+                  file=sys.stderr)
+            return 2
+        fan_out = PublishFanOut(
+            f"refit-on-publish{settings.suffix_for(params.node)}", EVENT, resource_id(params.model, ""),
+            lambda version: refit_parameters(params, target=version, only_if_newer=True))
     installer = make_installer(params.installer)  # one, for the heartbeats' questions to the engines
     stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, poll_s=settings.poll_s,
                              start_now=f"refit-latest{settings.suffix_for(params.node)}",
                              wake_on_events=settings.wake_on_events, heartbeat_s=settings.heartbeat_s,
                              heartbeat=lambda busy: node_report.refresh_node(params, installer, busy=busy),
                              zombie_after_s=settings.zombie_window_s(),
-                             outcomes={"refit": last_refit_outcome})
+                             outcomes={"refit": last_refit_outcome}, fan_out=fan_out)
     log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,
              time.monotonic() - stats.started_at)
     return 0

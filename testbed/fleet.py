@@ -69,8 +69,9 @@ class FleetLab:
 
     def __init__(self, root: Path, *, poll_s: float | None, shape=None, share: float | None = None,
                  api_url: str | None = None, spans: Path | None = None, log: Callable[[str], None] = print,
-                 scaled: int = 0):
+                 scaled: int = 0, serve_args: tuple[str, ...] = ()):
         self.root = Path(root)
+        self.serve_args = tuple(serve_args)  # more flags of every node's deployments.serve (e.g. --fan-out agent)
         self.scaled = scaled  # API processes of a scaled-out server (Redis messaging, services apart); 0: one server
         self.poll_s, self.shape, self.share, self.log = poll_s, shape, share, log
         self.external_api = api_url
@@ -145,7 +146,7 @@ class FleetLab:
         module = ("-m", "testbed.nodes", "agent", str(self.spans)) if self.spans else ("-m", "deployments.serve")
         env = quiet_env(PREFECT_API_URL=tap.url, PREFECT_HOME=str(self.root / "homes" / name), **AWS)
         node = NodeProcess(name, self.root / "nodes", self.catalog, self.model, self.trainer.launch, env,
-                           s3_endpoint=proxy.url, poll_s=self.poll_s, agent_module=module)
+                           s3_endpoint=proxy.url, poll_s=self.poll_s, agent_module=module, extra=self.serve_args)
         self.nodes[name], self.taps[name], self.proxies[name] = node, tap, proxy
         return node
 

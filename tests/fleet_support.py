@@ -66,15 +66,17 @@ class Fleet:
     # -- nodes -----------------------------------------------------------------------------------------
 
     def node(self, name: str, *, endpoint: str | None = None, installer: tuple[str, ...] = ("--installer", "none"),
-             poll_s: float | None = None, api_url: str | None = None, **extra_env: str) -> NodeProcess:
-        """A node agent (not started), attached to ``api_url`` (default: the server's first API process)."""
+             poll_s: float | None = None, api_url: str | None = None, serve_args: tuple[str, ...] = (),
+             **extra_env: str) -> NodeProcess:
+        """A node agent (not started), attached to ``api_url`` (default: the server's first API process), with
+        ``serve_args`` for ``deployments.serve``."""
         # flow-run heartbeats every 30 s (Prefect's minimum) and the zombie automation at 45 s: a killed agent's
         # run is Crashed by the server within a minute; the node's own record is refreshed every 2 s
         env = self.server.client_env(self.root / "nodes" / f"{name}-home", api_url,
                                      PREFECT_FLOWS_HEARTBEAT_FREQUENCY="30", **aws_environment(), **extra_env)
         node = NodeProcess(name, self.root / "nodes", self.catalog, MODEL, self.trainer.launch, env,
                            s3_endpoint=endpoint or self.endpoint, poll_s=poll_s, installer=installer,
-                           extra=("--zombie-after", str(ZOMBIE_AFTER_S), "--heartbeat-seconds", "2"))
+                           extra=("--zombie-after", str(ZOMBIE_AFTER_S), "--heartbeat-seconds", "2", *serve_args))
         self.nodes[name] = node
         return node
 

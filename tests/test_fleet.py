@@ -157,7 +157,9 @@ def test_one_publication_reaches_every_node(fleet_server, s3, tmp_path):
             assert healed[-1].state_name == "Ready" and healed[-1].state.message.startswith("r4 "), healed[-1].state
             assert engine.weight_version == "r4" and node3.active_version() == "r4"
             assert any("refitting to heal" in line for line in node3.diagnostics().splitlines())
-            drift = fleet.events("canonical-refit.node.drifted", since=engine_restarted)
+            drift = wait_until("the server to store the drifted event (events are written in batches)", lambda: fleet.events(
+            "canonical-refit.node.drifted", since=engine_restarted) or None, 30, every_s=0.5,
+            diagnostics=fleet.diagnostics)
             assert [e.resource.name for e in drift] == ["node3"]
             # the beat that saw it found the engine restarting (no answer) or back on its launch weights
             assert drift[0].payload["engines"][engine.url] in (None, "default"), drift[0].payload
