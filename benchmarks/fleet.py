@@ -155,12 +155,13 @@ def table(r: dict) -> str:
     s = r["summary"]
     lines = [f"fleet: {r['nodes']} nodes, model {r['model']} ({r['model_bytes'] / 1e6:.0f} MB), deltas "
              f"{', '.join(f'{b / 1e6:.2f}' for b in s['payload_bytes'])} MB, poll {r['poll_s'] or 'default'} s; "
-             f"load average {r['load_average_start']} -> {r['load_average_end']}",
+             f"load average {r['load_average_start']} -> {r['load_average_end']}; fan-out by "
+             f"{'the agents' if r.get('fan_out') == 'agent' else 'a server automation per node'}",
              f"{'publish -> all Ready':<44}p50 {s['publish_to_all_ready_s']['p50']:.2f} s   max "
              f"{s['publish_to_all_ready_s']['max']:.2f} s",
              f"{'event -> all Ready':<44}p50 {s['event_to_all_ready_s']['p50']:.2f} s   max "
              f"{s['event_to_all_ready_s']['max']:.2f} s",
-             f"{'event -> flow run created (automation)':<44}p50 {s['event_to_run_created_s']['p50']:.2f} s   max "
+             f"{'event -> flow run created (fan-out)':<44}p50 {s['event_to_run_created_s']['p50']:.2f} s   max "
              f"{s['event_to_run_created_s']['max']:.2f} s",
              f"{'event -> run start, per node':<44}p50 {s['event_to_run_start_s']['p50']:.2f} s   max "
              f"{s['event_to_run_start_s']['max']:.2f} s",
