@@ -28,7 +28,8 @@ from storage.canonical import canonical_json
 from storage.catalog.kept_base import PublisherCopy
 from storage.catalog.manifests import DELTA_INDEX_FILE
 from storage.catalog.parts import (
-    Merged, PublicationPart, PublicationPlan, merge_parts, read_parts, read_plan, write_part, write_plan,
+    Merged, PublicationPart, PublicationPlan, merge_parts, publication_url, read_parts, read_plan, write_part,
+    write_plan,
 )
 from storage.catalog.publisher import (
     choose_setting, make_record, next_sequence, snapshot_of, stage_delta, stage_full, upload_payload,
@@ -229,6 +230,11 @@ def _commit(pub: Publisher, plan: PublicationPlan, base: Revision | None, merged
                          plan.checksum_format, merged.format_digest, merged.target_digest, base=base, uri=uri)
     WRITE_RECORD(pub, record)
     killpoint("publish.recorded", plan.version)
+    try:  # every rank read the plan and wrote its part before this: nothing reads them again
+        pub.objects.delete_tree(publication_url(pub.catalog.url, plan.publication))
+    except RefitError as exc:
+        log.warning("could not remove publication %s's coordination files (python -m flows.publish orphans "
+                    "lists them): %s", plan.publication, exc)
     log.info("published %s (seq %d, %s) from %d ranks: %d payload files, %d bytes", record.version,
              record.sequence, record.payload_format, plan.world_size, len(merged.files), sum(merged.files.values()))
     return record

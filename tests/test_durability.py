@@ -134,3 +134,24 @@ def test_after_a_power_loss_the_deployments_refit_does_not_skip_a_version_the_st
     lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
     assert engine.loads()[-1]["bytes"] == independent_digest(lab.expected("r1"))[1]
     assert lab.run(engine, target="latest", only_if_newer=True).status == "SKIPPED"
+
+
+def test_a_flushed_mark_half_written_by_a_killed_process_is_swept_by_recovery(flow_lab):
+    """A write-back killed while writing its mark leaves ``flushed/.r1.json.<its token>.tmp``: recovery removes
+    it (the crash harness found one left behind), and the mark's own file is untouched."""
+    lab = flow_lab
+    for kind in ("initial", "delta"):
+        lab.publish(kind)
+    assert lab.run(target="r1").status == "READY"
+    wait_for_flushes(60)
+    flushed = lab.store_root / "flushed"
+    leftover = flushed / ".r1.json.0a1b2cx3d4e5f.tmp"  # another process's token
+    leftover.write_text("{")
+    store = LocalStore(lab.cache, lab.model)
+    holder = store.exclusive(5, "recovery").acquire()
+    try:
+        done = store.recover()
+    finally:
+        holder.release()
+    assert not leftover.exists() and (flushed / "r1.json").is_file()
+    assert any("temporary file" in line for line in done), done

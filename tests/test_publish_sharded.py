@@ -101,6 +101,8 @@ def test_ranks_publish_the_revision_a_single_publisher_would(tmp_path):
     assert {json.loads(o[0].strip().splitlines()[-1])["version"] for o in outs} == {"r1"}
     by_ranks(sharded, steps[2], "full", "run7-step2")
 
+    assert not (sharded / "catalog" / "publications").exists() or not any(
+        (sharded / "catalog" / "publications").iterdir())  # rank 0 removed each committed publication's plan and parts
     for version in ("r0", "r1", "r2"):  # the same records: sequence, base, digests, formats
         assert record(sharded, version) == record(single, version), version
     catalog = Catalog(ObjectStore(), f"file://{sharded}/catalog", MODEL)
@@ -178,9 +180,13 @@ def test_a_rank_killed_mid_publish_leaves_nothing_visible_and_does_not_wedge_the
     listed = subprocess.run([sys.executable, "-m", "flows.publish", "orphans", "--catalog", f"file://{root}/catalog",
                              "--model", MODEL, "--older-than-hours", "0", "--json"], cwd=ROOT_DIR,
                             capture_output=True, text=True, timeout=120)
-    orphans = json.loads(listed.stdout.strip().splitlines()[-1])["orphans"]
+    orphans = {o["url"].removeprefix(f"file://{root}/"): o for o in
+               json.loads(listed.stdout.strip().splitlines()[-1])["orphans"]}
+    payloads = [u for u in orphans if u.startswith("revisions/")]
+    # the dead publication's plan (and parts) are listed; the committed k-0's were removed by its rank 0
+    assert "catalog/publications/k-1" in orphans and not any(u.endswith("/k-0") for u in orphans)
     if point == "publish.part_uploaded":  # the killed rank's buckets are there, referenced by nothing
-        assert [Path(o["url"]).name.split(".")[0] for o in orphans] == ["r1"] and orphans[0]["objects"] > 0
+        assert [Path(u).name.split(".")[0] for u in payloads] == ["r1"] and orphans[payloads[0]]["objects"] > 0
 
     again = publish_by_processes(root, folders, "k-1-again", kill={}, timeout_s=120)  # the same command, a new id
     assert [p.returncode for p in again] == [0] * RANKS, [p.stderr[-1500:] for p in again]

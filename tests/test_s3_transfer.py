@@ -156,8 +156,11 @@ def test_a_fault_in_one_range_retries_that_range_only(s3, tmp_path, kind):
         assert sorted(r.range for r in others) == sorted(f"bytes={i * MIB}-{(i + 1) * MIB - 1}" for i in (0, 1, 3, 4))
         faulted = [r for r in gets if r not in others]
         assert [r.fault for r in faulted] == [kind, None] and faulted[0].range == bad
-        if kind == "truncate":  # the retry asks only for what the cut body did not bring
-            assert faulted[1].range == f"bytes={2 * MIB + faulted[0].sent}-{3 * MIB - 1}" and faulted[0].sent > 0
+        if kind == "truncate":
+            # the retry asks only for what the cut body did not bring to the file: from where it stopped, or a
+            # little before when the client dropped the body's last chunk with the error
+            (start, end), = _ranges([faulted[1]])
+            assert end == 3 * MIB and 2 * MIB <= start <= 2 * MIB + faulted[0].sent
         else:
             assert faulted[1].range == bad
     # aiohttp itself resends an idempotent request once after a reset on a kept-alive connection

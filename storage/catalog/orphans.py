@@ -59,4 +59,22 @@ def find_orphans(objects: ObjectStore, catalog: Catalog, payload_root: str, *,
         age = now - max(mtime for _, mtime in entries)
         if url not in referenced and age >= older_than_s:
             out.append(Orphan(url, len(entries), sum(size for size, _ in entries), round(age, 1)))
+    return out + stale_publications(objects, catalog, older_than_s=older_than_s)
+
+
+def stale_publications(objects: ObjectStore, catalog: Catalog, *, older_than_s: float) -> list[Orphan]:
+    """Coordination folders of sharded publications (``{catalog}/publications/{id}/``, docs/format.md 4.8) that
+    nothing wrote for ``older_than_s``: a committed publication's rank 0 removes its own, so these are what a
+    dead publication, or a rank 0 that died after its record, left. Nothing reads them once a publication ended."""
+    root = join_url(catalog.url, "publications")
+    folders: dict[str, list[tuple[int, float]]] = {}
+    for name, size, mtime in objects.walk(root):
+        if "/" in name:
+            folders.setdefault(name.split("/", 1)[0], []).append((size, mtime))
+    now = time.time()
+    out = []
+    for folder, entries in sorted(folders.items()):
+        age = now - max(mtime for _, mtime in entries)
+        if age >= older_than_s:
+            out.append(Orphan(join_url(root, folder), len(entries), sum(size for size, _ in entries), round(age, 1)))
     return out

@@ -465,7 +465,8 @@ class LocalStore:
 
     def _sweep_temp_files(self) -> int:
         """Remove temporary files a killed writer left (other processes' only)."""
-        folders = [self.root] + [self.root / sub for sub in ("full", "deltas", "verified", "chains", "catalog")]
+        folders = [self.root] + [self.root / sub for sub in ("full", "deltas", "verified", "flushed", "chains",
+                                                             "catalog")]
         folders += [p for sub in ("full", "deltas") for p in (self.root / sub).iterdir() if p.is_dir()]
         count = 0
         for folder in folders:
