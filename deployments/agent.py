@@ -301,7 +301,7 @@ class NodeAgent:
                              resource=EventResourceFilter(id_prefix=[fan.resource_prefix]))
         async with get_client() as client, PrefectEventSubscriber(api_url=api_url, filter=wanted,
                                                                     reconnect_on_clean_close=True) as events:
-            if self.stats.fan_outs or self._subscribed_once:  # a reconnect: what was published meanwhile
+            if self._subscribed_once:  # a reconnect: what was published meanwhile
                 if self._latest_id is not None:
                     await client.create_flow_run_from_deployment(self._latest_id)
                     log.info("the published-event stream is back: one refit to latest for what it missed")

@@ -36,7 +36,7 @@ from storage.errors import ImmutableConflict, RefitError  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
 from storage.catalog.kept_base import KEEP_BASES, PublisherCopy  # noqa: E402
-from storage.catalog.publisher import Payload, make_record, same_publication  # noqa: E402
+from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, make_record, same_publication  # noqa: E402
 from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
@@ -53,7 +53,6 @@ heartbeats.install()
 
 log = logging.getLogger("canonical_refit.publish")
 logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
-PAYLOAD_FORMATS = {"initial": "metadata_only", "full": "full_hf_checkpoint", "delta": "xor_delta"}
 
 
 

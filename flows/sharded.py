@@ -18,13 +18,11 @@ and the next publication (a new ``publication`` id) goes past it.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import tempfile
 import time
 from pathlib import Path
 
-from storage.canonical import canonical_json
 from storage.catalog.kept_base import PublisherCopy
 from storage.catalog.manifests import DELTA_INDEX_FILE
 from storage.catalog.parts import (
@@ -32,7 +30,8 @@ from storage.catalog.parts import (
     write_plan,
 )
 from storage.catalog.publisher import (
-    choose_setting, make_record, next_sequence, snapshot_of, stage_delta, stage_full, upload_payload,
+    PAYLOAD_FORMATS, choose_setting, delta_index, full_index, make_record, next_sequence, snapshot_of, stage_delta,
+    stage_full, upload_payload,
 )
 from storage.catalog.records import Revision
 from storage.errors import CatalogError, LineageError, ObjectNotFound, RefitError
@@ -47,7 +46,6 @@ from tasks.publisher import Publisher, PublishResult
 from tasks.write_record import WRITE_RECORD, emit_published
 
 log = logging.getLogger("canonical_refit.publish")
-PAYLOAD_FORMATS = {"initial": "metadata_only", "full": "full_hf_checkpoint", "delta": "xor_delta"}
 
 
 def run_publish_part(params: PublishParams, *, source: MemoryCheckpoint | None = None, keep_base: str = "disk",
@@ -55,9 +53,7 @@ def run_publish_part(params: PublishParams, *, source: MemoryCheckpoint | None =
     """This rank's share of one revision (``params.rank`` of ``params.world_size``, ``params.publication``);
     rank 0 also plans and commits it. Returns the ``PublishResult`` of the whole revision (every rank the same
     version, sequence and digest)."""
-    rank, world, publication = params.rank, params.world_size, params.publication
-    if rank is None or world is None or publication is None or rank >= world:
-        raise ValueError("a part needs rank < world_size and a publication id shared by every rank")
+    rank, world, publication = params.rank, params.world_size, params.publication  # checked by PublishParams
     started = time.perf_counter()
     pub = Publisher(params)
     pub.publication = publication  # the claim belongs to the publication, whichever rank made it
@@ -214,18 +210,12 @@ def _commit(pub: Publisher, plan: PublicationPlan, base: Revision | None, merged
     """Rank 0: the revision's index, then its record (create-only, last): what makes it visible."""
     uri = None
     if plan.kind == "delta":
-        index = {"metadata": {"version": plan.version, "base_version": plan.base_version,
-                              "delta_encoding": plan.encoding, "compression_format": "zstd",
-                              "checksum_format": plan.checksum_format},
-                 "weight_map": merged.weight_map}
         uri = join_url(plan.payload_url, DELTA_INDEX_FILE)
-        pub.objects.put_immutable(uri, canonical_json(index))
-    elif plan.kind == "full":
-        nbytes = sum(_nbytes(dtype, shape) for dtype, shape in merged.layout.values())
-        manifest = {"metadata": {"checksum_format": plan.checksum_format, "total_size": nbytes},
-                    "weight_map": merged.weight_map}
+        pub.objects.put_immutable(uri, delta_index(plan.version, plan.base_version, plan.encoding,
+                                                   plan.checksum_format, merged.weight_map))
+    elif plan.kind == "full":  # every tensor is in a shard: the decoded bytes are the model's
         uri = join_url(plan.payload_url, INDEX_FILE)
-        pub.objects.put_immutable(uri, json.dumps(manifest, indent=2).encode())
+        pub.objects.put_immutable(uri, full_index(plan.checksum_format, merged.decoded_bytes, merged.weight_map))
     record = make_record(pub.params.model, plan.version, plan.sequence, PAYLOAD_FORMATS[plan.kind],
                          plan.checksum_format, merged.format_digest, merged.target_digest, base=base, uri=uri)
     WRITE_RECORD(pub, record)
@@ -238,15 +228,6 @@ def _commit(pub: Publisher, plan: PublicationPlan, base: Revision | None, merged
     log.info("published %s (seq %d, %s) from %d ranks: %d payload files, %d bytes", record.version,
              record.sequence, record.payload_format, plan.world_size, len(merged.files), sum(merged.files.values()))
     return record
-
-
-def _nbytes(dtype: str, shape) -> int:
-    from storage.format.safetensors import DTYPE_SIZES
-
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count * DTYPE_SIZES[dtype]
 
 
 def _record(pub: Publisher, plan: PublicationPlan) -> Revision | None:

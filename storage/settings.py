@@ -275,6 +275,15 @@ class PublishParams(BaseSettings):
     def _url_form(cls, value: str | None) -> str | None:
         return None if value is None else _valid_url(value)
 
+    @model_validator(mode="after")
+    def _one_rank_of_a_publication(self) -> "PublishParams":
+        given = [self.rank is not None, self.world_size is not None, self.publication is not None]
+        if any(given) and not all(given):
+            raise ValueError("a rank of a sharded publication needs rank, world_size and publication together")
+        if all(given) and self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is not below world_size {self.world_size}")
+        return self
+
     @property
     def bucket_max_bytes(self) -> int:
         return self.bucket_max_mib * MIB

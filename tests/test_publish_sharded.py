@@ -193,3 +193,14 @@ def test_a_rank_killed_mid_publish_leaves_nothing_visible_and_does_not_wedge_the
     assert {json.loads(p.stdout.strip().splitlines()[-1])["version"] for p in again} == {"r2"}
     launch = write_checkpoint(tmp_path / "launch", steps[0], shards=SHAPE.shards)
     assert refit(root, launch, "latest").target_digest == independent_digest(steps[1])[1]
+
+
+@pytest.mark.parametrize("given, says", [(dict(rank=3, world_size=3, publication="p"), "rank 3 is not below"),
+                                         (dict(rank=0, world_size=2), "together")])
+def test_a_rank_outside_its_publication_is_refused_before_anything_is_written(tmp_path, given, says):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=says):
+        api.publish(split(random_model(SHAPE, seed=1))[0], catalog=f"file://{tmp_path}/catalog", model=MODEL,
+                    kind="initial", state_dir=tmp_path / "state", emit_event=False, **given)
+    assert not (tmp_path / "catalog").exists() and not (tmp_path / "state").exists()

@@ -85,11 +85,9 @@ class PublisherCopy:
     def base_for(self, base: Revision, *, workers: int, publishing: str | None = None) -> Snapshot:
         """The kept copy as a snapshot of ``base``, refusing anything but the exact base; errors name the
         revision being ``publishing`` and the base apart."""
-        kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
-        if kept is not None and kept.version == base.version and kept.checksum_format == base.checksum_format:
-            snap = snapshot_of(kept.checkpoint, base.checksum_format, workers=workers, checksums=kept.checksums)
-            if snap.target_digest == base.target_digest:
-                return snap
+        snap = self._in_memory(base.version, base.checksum_format, workers)
+        if snap is not None and snap.target_digest == base.target_digest:
+            return snap
         last = self.last()
         if last is None or not self.checkpoint.is_dir():
             where = ("this process keeps no copy of it in memory (a copy kept in memory is gone with the process "
@@ -97,32 +95,41 @@ class PublisherCopy:
             raise LineageError(f"no copy of the base revision {base.version} to encode the delta against: {where}; "
                                f"pass the checkpoint of {base.version} as --base-checkpoint, or publish this "
                                "revision with --kind full", revision=publishing, field="base_checkpoint")
-        checkpoint = self.checkpoint
-        files = {p.name: file_identity(p) for p in sorted(checkpoint.iterdir()) if p.is_file()}
-        known = last.get("checksums") if last.get("files") == files and last.get("version") == base.version else None
-        snap = snapshot_of(checkpoint, base.checksum_format, workers=workers,
-                           checksums=known if last.get("checksum_format") == base.checksum_format else None)
+        snap = self._on_disk(last, base.version, base.checksum_format, workers)
         if snap.target_digest != base.target_digest:
             raise LineageError(f"the publisher's kept copy ({last.get('version')}) is not the exact base revision "
                                f"{base.version}; pass the checkpoint of {base.version} as --base-checkpoint",
-                               revision=publishing, file=str(checkpoint), field="base_checkpoint")
+                               revision=publishing, file=str(self.checkpoint), field="base_checkpoint")
         return snap
 
     def kept_snapshot(self, version: str, checksum_format: str, *, workers: int) -> Snapshot | None:
         """The kept copy as a snapshot, if it is ``version``'s (this process's copy in memory first): a trainer
         rank's part of a revision, which no catalog digest can check alone (the part records its checksums
         and the merge checks them all together)."""
-        kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
-        if kept is not None and kept.version == version and kept.checksum_format == checksum_format:
-            return snapshot_of(kept.checkpoint, checksum_format, workers=workers, checksums=kept.checksums)
+        snap = self._in_memory(version, checksum_format, workers)
+        if snap is not None:
+            return snap
         last = self.last()
         if last is None or last.get("version") != version or not self.checkpoint.is_dir():
             return None
+        return self._on_disk(last, version, checksum_format, workers)
+
+    def _in_memory(self, version: str, checksum_format: str, workers: int) -> Snapshot | None:
+        """This process's copy in memory, if it was kept as ``version`` in ``checksum_format``."""
+        kept = _IN_MEMORY.get(self.root.resolve()) if self.in_memory else None
+        if kept is None or kept.version != version or kept.checksum_format != checksum_format:
+            return None
+        return snapshot_of(kept.checkpoint, checksum_format, workers=workers, checksums=kept.checksums)
+
+    def _on_disk(self, last: dict, version: str, checksum_format: str, workers: int) -> Snapshot:
+        """The copy on disk; its recorded checksums are reused only if its files, version and format are the
+        recorded ones (otherwise it is hashed)."""
         checkpoint = self.checkpoint
         files = {p.name: file_identity(p) for p in sorted(checkpoint.iterdir()) if p.is_file()}
-        known = last.get("checksums") if last.get("files") == files and \
-            last.get("checksum_format") == checksum_format else None
-        return snapshot_of(checkpoint, checksum_format, workers=workers, checksums=known)
+        same = (last.get("files") == files and last.get("version") == version
+                and last.get("checksum_format") == checksum_format)
+        return snapshot_of(checkpoint, checksum_format, workers=workers,
+                           checksums=last.get("checksums") if same else None)
 
     def keep(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
              checksums: Mapping[str, str], *, workers: int = 4) -> None:

@@ -46,27 +46,22 @@ def referenced_folders(catalog: Catalog) -> set[str]:
 
 def find_orphans(objects: ObjectStore, catalog: Catalog, payload_root: str, *,
                  older_than_s: float = 24 * 3600.0) -> list[Orphan]:
-    """Payload folders under ``payload_root`` that no record references and nothing wrote for ``older_than_s``."""
+    """Payload folders under ``payload_root`` that no record references and nothing wrote for ``older_than_s``,
+    then the coordination folders sharded publications left (``stale_publications``)."""
     referenced = referenced_folders(catalog)
-    folders: dict[str, list[tuple[int, float]]] = {}
-    for name, size, mtime in objects.walk(payload_root):
-        if "/" in name:
-            folders.setdefault(name.split("/", 1)[0], []).append((size, mtime))
-    now = time.time()
-    out = []
-    for folder, entries in sorted(folders.items()):
-        url = join_url(payload_root, folder)
-        age = now - max(mtime for _, mtime in entries)
-        if url not in referenced and age >= older_than_s:
-            out.append(Orphan(url, len(entries), sum(size for size, _ in entries), round(age, 1)))
-    return out + stale_publications(objects, catalog, older_than_s=older_than_s)
+    payloads = [o for o in _folders(objects, payload_root, older_than_s) if o.url not in referenced]
+    return payloads + stale_publications(objects, catalog, older_than_s=older_than_s)
 
 
 def stale_publications(objects: ObjectStore, catalog: Catalog, *, older_than_s: float) -> list[Orphan]:
     """Coordination folders of sharded publications (``{catalog}/publications/{id}/``, docs/format.md 4.8) that
     nothing wrote for ``older_than_s``: a committed publication's rank 0 removes its own, so these are what a
     dead publication, or a rank 0 that died after its record, left. Nothing reads them once a publication ended."""
-    root = join_url(catalog.url, "publications")
+    return _folders(objects, join_url(catalog.url, "publications"), older_than_s)
+
+
+def _folders(objects: ObjectStore, root: str, older_than_s: float) -> list[Orphan]:
+    """Each folder directly under ``root`` whose newest object is at least ``older_than_s`` old, by name."""
     folders: dict[str, list[tuple[int, float]]] = {}
     for name, size, mtime in objects.walk(root):
         if "/" in name:

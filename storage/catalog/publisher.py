@@ -225,11 +225,23 @@ def stage_delta(
     finally:
         bmaps.close(), tmaps.close()
     flush()
-    index = {"metadata": {"version": version, "base_version": base_version, "delta_encoding": setting.encoding,
-                          "compression_format": "zstd", "checksum_format": base.checksum_format},
-             "weight_map": weight_map}
-    (folder / DELTA_INDEX_FILE).write_bytes(canonical_json(index))
+    (folder / DELTA_INDEX_FILE).write_bytes(delta_index(version, base_version, setting.encoding,
+                                                        base.checksum_format, weight_map))
     return payload
+
+
+def delta_index(version: str, base_version: str, encoding: str, checksum_format: str,
+                weight_map: dict[str, str]) -> bytes:
+    """A delta revision's index (``delta.safetensors.index.json``), canonical JSON (docs/format.md 5.3)."""
+    return canonical_json({"metadata": {"version": version, "base_version": base_version, "delta_encoding": encoding,
+                                        "compression_format": "zstd", "checksum_format": checksum_format},
+                           "weight_map": weight_map})
+
+
+def full_index(checksum_format: str, total_size: int, weight_map: dict[str, str]) -> bytes:
+    """A full revision's index (``model.safetensors.index.json``), tensors in name order."""
+    return json.dumps({"metadata": {"checksum_format": checksum_format, "total_size": total_size},
+                       "weight_map": dict(sorted(weight_map.items()))}, indent=2).encode()
 
 
 class _Inline:
@@ -306,9 +318,7 @@ def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], No
     payload.encoded_bytes = payload.decoded_bytes
     payload.changed = sorted(index.tensors)
     weight_map = {t.name: shard_prefix + t.file for t in index.tensors.values()}
-    manifest = {"metadata": {"checksum_format": snapshot.checksum_format, "total_size": index.nbytes},
-                "weight_map": dict(sorted(weight_map.items()))}
-    (folder / INDEX_FILE).write_bytes(json.dumps(manifest, indent=2).encode())
+    (folder / INDEX_FILE).write_bytes(full_index(snapshot.checksum_format, index.nbytes, weight_map))
     return payload
 
 
@@ -326,6 +336,9 @@ def upload_payload(objects: ObjectStore, payload: Payload, url: str, *, workers:
     if payload.index_name:
         written += put(payload.index_name)
     return written
+
+
+PAYLOAD_FORMATS = {"initial": "metadata_only", "full": "full_hf_checkpoint", "delta": "xor_delta"}  # by kind
 
 
 def make_record(model: str, version: str, sequence: int, payload_format: str, snapshot_format: str,

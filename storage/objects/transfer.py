@@ -293,8 +293,7 @@ class _Download:
         self.failed = threading.Event()
         self.size, self.identity, self.fd = 0, None, -1
         self.done: set[int] = set()
-        self._landed: dict[int, int] = {}  # bytes reported, by range
-        self._written: dict[int, int] = {}  # bytes of each range in the partial file (recorded or not)
+        self._landed: dict[int, int] = {}  # bytes of each range in the partial file (recorded or not), reported
         self._recorded: dict[int, int] = {}  # bytes of each unfinished range listed in the record
         self._record_lock = threading.Lock()
         self._unrecorded, self._recorded_at = 0, 0.0
@@ -352,7 +351,7 @@ class _Download:
         self.checkpoint_bytes = max(2 * STREAM_CHUNK, size // 64)
         ranges = {i: (start, min(start + rs, size)) for i, start in enumerate(range(0, size, rs))}
         self.done, partial = self._adopt(ranges)
-        self._written, self._recorded, self._landed = dict(partial), dict(partial), dict(partial)
+        self._recorded, self._landed = dict(partial), dict(partial)
         have = sum(end - start for i, (start, end) in ranges.items() if i in self.done) + sum(partial.values())
         if have:
             log.info("resuming the download of %s: %d of %d bytes are already in %s", self.url, have, size, self.part)
@@ -382,7 +381,7 @@ class _Download:
     def _stream(self, index: int, start: int, end: int | None) -> int:
         self.check()
         stop = self.size if end is None else end
-        origin = self._written.get(index, 0) if end is not None else 0  # the range's bytes already in the file
+        origin = self._landed.get(index, 0) if end is not None else 0  # the range's bytes already in the file
         first = start + origin
         if first >= stop:
             return stop - start
@@ -401,7 +400,6 @@ class _Download:
                 self.store.stats.add(bytes_read=len(chunk))
                 self._land(index, origin + got)
                 if end is not None:
-                    self._written[index] = origin + got
                     self._checkpoint(len(chunk))
         if got != length:
             raise TransientStorageError(f"short read: {got} of {length} bytes at offset {first}", file=self.url)
@@ -504,7 +502,7 @@ class _Download:
 
     def _record(self) -> None:
         """fsync the partial file, then write the record of what it held before the fsync (under the lock)."""
-        written = {i: n for i, n in list(self._written.items()) if i not in self.done and n > 0}
+        written = {i: n for i, n in list(self._landed.items()) if i not in self.done and n > 0}
         self._unrecorded, self._recorded_at = 0, time.monotonic()
         self._local("syncing the partial download", self.part, os.fsync, self.fd)
         if self.identity is None:
