@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import storage.format.codec as codec
+import storage.format.frames as frames
 import storage.format.sparse as sparse
 from storage.format.codec import ValidatedFrame, make_decoder, validate_frame
 from storage.format.encoding import encode_delta
@@ -198,9 +199,14 @@ records = st.integers(1, 60).flatmap(lambda n: st.tuples(
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(record=records, encoding=st.sampled_from(["xor_sparse", "overwrite"]), sort=st.booleans(),
        block=st.integers(1, 9), chunk=st.integers(1, 7), validated=st.booleans(), stop=st.integers(0, 50),
-       data=st.data())
+       whole=st.booleans(), data=st.data())
 def test_sparse_records_match_a_sequential_writer_and_undo_in_any_order(record, encoding, sort, block, chunk,
-                                                                         validated, stop, data):
+                                                                         validated, stop, whole, data):
+    """Decoded whole (within the budget) or streamed, the record writes what a sequential writer does, and the
+    budget is given back when the decoder closes."""
+    budget = frames.WholeRecordBudget(frames.WHOLE_RECORDS.available if whole else 0)
+    held_before = budget.available
+    old_budget, frames.WHOLE_RECORDS = frames.WHOLE_RECORDS, budget
     n, entries = record
     if encoding == "xor_sparse":
         entries = sorted(dict(entries).items())  # strictly increasing positions
@@ -225,8 +231,10 @@ def test_sparse_records_match_a_sequential_writer_and_undo_in_any_order(record, 
             for offset in data.draw(st.permutations(applied)):
                 decoder.undo(dest[offset:offset + block], offset)
             assert dest.tolist() == base.tolist()
+        decoder.close()
+        assert budget.available == held_before
     finally:
-        sparse.CHUNK = old
+        sparse.CHUNK, frames.WHOLE_RECORDS = old, old_budget
 
 
 # --- rejections happen before any byte changes; validated once -------------------------------------------------
@@ -289,13 +297,53 @@ def test_a_validated_frame_is_not_validated_again(monkeypatch):
         assert np.array_equal(dest, target), encoding
 
 
+@pytest.fixture(params=["whole", "streamed"])
+def record_budget(request, monkeypatch):
+    """Records decoded whole within the budget, or (no budget) streamed twice: both must behave alike."""
+    if request.param == "streamed":
+        monkeypatch.setattr(frames, "WHOLE_RECORDS", frames.WholeRecordBudget(0))
+    return request.param
+
+
+def test_a_record_within_the_budget_is_decompressed_once(monkeypatch):
+    n = 4 * MiB
+    chunks = pattern(n // 64, lambda i: 64 * i + 3)
+    frame = streamed_frame("xor_sparse", n // 64, chunks)
+    summary = validate_frame("xor_sparse", frame, n, **CTX)
+    opened = []
+    real = frames._Reader
+
+    class Counting(real):
+        def __init__(self, *a, **k):
+            opened.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(frames, "_Reader", Counting)
+    base = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+    for budget, readers in ((0, 2), (frames.WHOLE_RECORDS.available, 1)):
+        monkeypatch.setattr(frames, "WHOLE_RECORDS", frames.WholeRecordBudget(budget))
+        opened.clear()
+        dest = base.copy()
+        apply_all(make_decoder("xor_sparse", frame, n, block_size=MiB, validated=summary, **CTX), dest, MiB)
+        assert np.array_equal(dest, reference(base, "xor_sparse", chunks))
+        assert len(opened) == readers  # whole: one decompression; streamed: positions, and again for the values
+        assert frames.WHOLE_RECORDS.available == budget
+    # a decoder abandoned half way (a failed apply never calls finish) gives the budget back when it goes
+    abandoned = make_decoder("xor_sparse", frame, n, block_size=MiB, validated=summary, **CTX)
+    abandoned.apply(base.copy()[:MiB], 0)
+    assert frames.WHOLE_RECORDS.available < budget
+    del abandoned
+    assert frames.WHOLE_RECORDS.available == budget
+
+
 @pytest.mark.parametrize("positions, summary_says", [
     ([9, 2, 30], {"ordered": True}),  # unsorted, validated as sorted
     ([2, 9, 70], {"ordered": True}),  # past the tensor
     ([9, 2, 70], {"ordered": False}),
     ([2, 9, 30], {"count": 2}),
 ])
-def test_a_wrong_summary_gives_a_codec_error_and_never_writes_outside_the_block(positions, summary_says):
+def test_a_wrong_summary_gives_a_codec_error_and_never_writes_outside_the_block(positions, summary_says,
+                                                                                 record_budget):
     frame = frame_of("overwrite", positions, [1, 2, 3])
     summary = ValidatedFrame(**{**dict(encoding="overwrite", nbytes=N, frame_size=len(frame), count=3,
                                        ordered=True), **summary_says})

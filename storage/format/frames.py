@@ -11,6 +11,8 @@ sparse encodings (``xor_sparse``, ``overwrite``) are defined here too.
 from __future__ import annotations
 
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,12 +112,29 @@ def _expect_output(info: FrameInfo, expected: int, **context) -> None:
         raise CodecError(f"zstd frame decodes to at most {info.max_output} bytes, fewer than {expected}", **context)
 
 
-class _Reader:
-    """Bounded reads from one zstd frame; zstd errors become ``CodecError``."""
+_THREAD = threading.local()
 
-    def __init__(self, frame, context: dict):
+
+def _own_decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's decompression context, for readers used one at a time (creating one costs more than
+    decoding a small frame)."""
+    dctx = getattr(_THREAD, "dctx", None)
+    if dctx is None:
+        dctx = _THREAD.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+class _Reader:
+    """Bounded reads from one zstd frame; zstd errors become ``CodecError``.
+
+    ``alone``: no other reader of this thread is open until this one is closed, so it may use the thread's
+    shared decompression context.
+    """
+
+    def __init__(self, frame, context: dict, *, alone: bool = False):
         self.context = context
-        self._reader = zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False)
+        dctx = _own_decompressor() if alone else zstandard.ZstdDecompressor()
+        self._reader = dctx.stream_reader(frame, read_across_frames=False)
         self.position = 0
 
     def read_into(self, buf: memoryview) -> int:
@@ -151,6 +170,97 @@ class _Reader:
 
     def close(self) -> None:
         self._reader.close()
+
+
+class _DecodedReader:
+    """``_Reader``'s reads over a record already decoded whole: slices, no second decompression."""
+
+    def __init__(self, data: memoryview, context: dict):
+        self._data, self.context, self.position = data, context, 0
+
+    def read_into(self, buf: memoryview) -> int:
+        n = min(buf.nbytes, self._data.nbytes - self.position)
+        buf[:n] = self._data[self.position: self.position + n]
+        self.position += n
+        return n
+
+    def read_exact(self, n: int, what: str) -> memoryview:
+        if self.position + n > self._data.nbytes:
+            self.position = self._data.nbytes
+            raise CodecError(f"{what} ends after {self.position} decoded bytes", **self.context)
+        self.position += n
+        return self._data[self.position - n: self.position]
+
+    def skip(self, n: int) -> None:
+        if self.position + n > self._data.nbytes:
+            self.position = self._data.nbytes
+            raise CodecError(f"frame ends after {self.position} decoded bytes", **self.context)
+        self.position += n
+
+    def at_end(self) -> bool:
+        return self.position == self._data.nbytes
+
+    def close(self) -> None:
+        pass
+
+
+class WholeRecordBudget:
+    """Bytes of records that may be held decoded at once, process-wide (thread-safe)."""
+
+    def __init__(self, nbytes: int):
+        self._left, self._lock = nbytes, threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if n > self._left:
+                return False
+            self._left -= n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._left += n
+
+    @property
+    def available(self) -> int:
+        with self._lock:
+            return self._left
+
+
+# a record applied while it streams is decompressed twice (its values follow all its positions, so a
+# second reader decodes the positions again to reach them); one decoded whole, within this budget, once
+WHOLE_RECORDS = WholeRecordBudget(64 * 2**20)
+
+
+class RecordReaders:
+    """Opens readers of one record: over a single whole decode when ``size`` bytes fit ``WHOLE_RECORDS``,
+    else each a fresh streaming ``_Reader``.
+
+    The budget comes back when the decoded bytes are freed (``close`` drops this object's reference; views
+    still held elsewhere keep them, and the budget, until they go too), on every path, failures included.
+    """
+
+    def __init__(self, frame, size: int, context: dict, *, whole: bool):
+        self._frame, self._context, self._data = frame, context, None
+        budget = WHOLE_RECORDS
+        if not (whole and 0 < size and budget.take(size + 1)):
+            return
+        buf = np.empty(size + 1, dtype=np.uint8)  # one byte more: a longer record fails where streaming does
+        weakref.finalize(buf, budget.give, size + 1)
+        reader = _Reader(frame, context, alone=True)
+        try:
+            got = reader.read_into(memoryview(buf))
+        finally:
+            reader.close()
+        self._data = memoryview(buf)[:got]  # so does a shorter one
+
+    def open(self) -> "_Reader | _DecodedReader":
+        if self._data is None:
+            return _Reader(self._frame, self._context)
+        return _DecodedReader(self._data, self._context)
+
+    def close(self) -> None:
+        self._data = None
 
 
 @dataclass(frozen=True)

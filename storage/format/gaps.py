@@ -32,7 +32,7 @@ import struct
 import numpy as np
 
 from storage.errors import CodecError
-from storage.format.frames import ValidatedFrame, _Reader, inspect_frame
+from storage.format.frames import RecordReaders, ValidatedFrame, _Reader, inspect_frame
 
 GAPS = "xor_gaps"
 MAX_VARINT = 9  # bytes: 63 bits, more than any tensor offset
@@ -285,7 +285,7 @@ class _GapSum:
 def validate_gaps(frame, nbytes: int, context: dict) -> ValidatedFrame:
     """One streaming pass over the whole record: count, varints, bounds, exact length."""
     info = inspect_frame(frame, **context)
-    reader = _Reader(frame, context)
+    reader = _Reader(frame, context, alone=True)
     try:
         count = _count(reader, context)
         if count > nbytes:
@@ -321,7 +321,9 @@ class GapsStream:
     def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool):
         self.context = context
         self._validated = validated
-        self._reader = _Reader(frame, context)
+        size = 8 + (validated.positions_bytes or 0) + (validated.count or 0)
+        self._readers = RecordReaders(frame, size, context, whole=values)
+        self._reader = self._readers.open()
         self._values: _Reader | None = None
         try:
             count = _count(self._reader, context)
@@ -330,7 +332,7 @@ class GapsStream:
                                  **context)
             self._positions = GapPositions(self._reader, count, validated.nbytes, context)
             if values:
-                self._values = _Reader(frame, context)
+                self._values = self._readers.open()
                 self._values.skip(8 + validated.positions_bytes)
         except BaseException:
             self.close()
@@ -358,3 +360,4 @@ class GapsStream:
         self._reader.close()
         if self._values is not None:
             self._values.close()
+        self._readers.close()

@@ -30,7 +30,9 @@ import numpy as np
 
 from storage.format.changes import SparseChange
 from storage.errors import CodecError
-from storage.format.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size
+from storage.format.frames import (
+    _HEADER, RecordReaders, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size,
+)
 from storage.format.gaps import GAPS, GapsStream
 
 CHUNK = 1 << 18  # entries per streamed chunk (2 MiB of u64 positions)
@@ -47,10 +49,10 @@ def _width(encoding: str) -> tuple[str, int, str, int]:
     return fmt, header, dtype, np.dtype(dtype).itemsize
 
 
-def _sparse_header(frame, nbytes: int, encoding: str, context: dict) -> int:
-    """The record's count, checked against the tensor and the frame's declared size."""
+def _sparse_header(frame, nbytes: int, encoding: str, context: dict, reader: _Reader) -> int:
+    """The record's count (read from ``reader``), checked against the tensor and the frame's declared size."""
     info = inspect_frame(frame, **context)
-    count = _read_count(frame, encoding, context)
+    count = _read_count(frame, encoding, context, reader)
     if count > nbytes:
         raise CodecError(f"{encoding} record claims {count} positions for a {nbytes}-byte tensor", **context)
     expected = sparse_size(count, encoding)
@@ -91,13 +93,12 @@ def _over_cap(count: int, nbytes: int, context: dict) -> CodecError:
 
 def validate_sparse(encoding: str, frame, nbytes: int, context: dict) -> ValidatedFrame:
     """One streaming pass over the whole record: count, lengths, bounds, order, the unsorted cap."""
-    count = _sparse_header(frame, nbytes, encoding, context)
     _, header, dtype, width = _width(encoding)
     strict = encoding == "xor_sparse"
-    ordered, previous, left = True, -1, count
-    reader = _Reader(frame, context)
+    reader = _Reader(frame, context, alone=True)
     try:
-        reader.skip(header)
+        count = _sparse_header(frame, nbytes, encoding, context, reader)
+        ordered, previous, left = True, -1, count
         while left:
             n = min(left, CHUNK)
             pos = np.frombuffer(reader.read_exact(width * n, f"{encoding} positions"), dtype=dtype)
@@ -129,7 +130,8 @@ class _SortedStream:
         self.encoding, self.nbytes, self.context = validated.encoding, validated.nbytes, context
         _, header, self._dtype, self._width = _width(self.encoding)
         self._strict = self.encoding == "xor_sparse"
-        self._positions = _Reader(frame, context)
+        self._readers = RecordReaders(frame, sparse_size(validated.count or 0, self.encoding), context, whole=values)
+        self._positions = self._readers.open()
         self._values: _Reader | None = None
         try:
             count = _read_count(frame, self.encoding, context, self._positions)
@@ -137,7 +139,7 @@ class _SortedStream:
                 raise CodecError(f"{self.encoding} record holds {count} entries, validated with "
                                  f"{validated.count}", **context)
             if values:
-                self._values = _Reader(frame, context)
+                self._values = self._readers.open()
                 self._values.skip(header + self._width * count)
         except BaseException:
             self.close()
@@ -183,6 +185,7 @@ class _SortedStream:
         self._positions.close()
         if self._values is not None:
             self._values.close()
+        self._readers.close()
 
 
 class _UnsortedRecord:
