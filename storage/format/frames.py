@@ -229,7 +229,7 @@ class WholeRecordBudget:
 
 # a record applied while it streams is decompressed twice (its values follow all its positions, so a
 # second reader decodes the positions again to reach them); one decoded whole, within this budget, once
-WHOLE_RECORDS = WholeRecordBudget(64 * 2**20)
+WHOLE_RECORDS = WholeRecordBudget(128 * 2**20)
 
 
 class RecordReaders:

@@ -3,11 +3,14 @@
 
 A record is a count, ``count`` positions, then ``count`` values. A zstd frame
 of a few KiB can decode to a record of 5 or 9 bytes per tensor byte, so no
-record is held whole when its positions are sorted (the publisher always
-sorts them): validation streams it once, chunk by chunk, and applying reads
+record is held whole unless it fits a process-wide budget
+(``storage.format.frames.WHOLE_RECORDS``, 128 MiB): validation streams it
+once, chunk by chunk, and applying decodes it once into memory when it fits
+the budget (an RL step's record is about a tenth of its tensor), else reads
 positions and values through two streaming readers, a chunk at a time, in
-step with the tensor's blocks. Extra memory: about ``CHUNK`` entries plus the
-block, whatever the count.
+step with the tensor's blocks (the values' reader decodes every position
+again to reach them). Extra memory beyond the budget: about ``CHUNK``
+entries plus the block, whatever the count.
 
 ``overwrite`` positions may also come unsorted. Such a record is decoded
 whole and sorted (9 bytes per entry), so its count is capped at
