@@ -55,6 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="encoding threads of the one-process publisher and "
                                                           "of the XOR reference")
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts of the sharded part ('' skips it)")
+    p.add_argument("--encoding", default="xor", help="publisher encoding of the one-process part (xor, the "
+                                                     "publisher's default; auto, xor_sparse, overwrite, xor_gaps)")
     p.add_argument("--rank-threads", type=int, default=1, help="encoding threads of each rank")
     p.add_argument("--json", type=Path, help="where to write the result (default benchmarks/results/publish-*.json)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
@@ -98,7 +100,8 @@ def xor_rate(base: dict[str, np.ndarray], new: dict[str, np.ndarray], threads: i
     return {"seconds": round(best, 4), "bytes": nbytes, "gb_s": round(nbytes / best / 1e9, 3), "threads": threads}
 
 
-def one_process(root: Path, *, size_bytes: int, share: float, steps: int, threads: int) -> dict:
+def one_process(root: Path, *, size_bytes: int, share: float, steps: int, threads: int,
+                encoding: str = "xor") -> dict:
     """Part one (also run by ``benchmarks.refit``): ``steps`` RL steps of ``share`` published from memory by one
     process with ``threads`` encoding threads, each against a plain XOR of the same bytes with as many threads."""
     from flows import api
@@ -107,7 +110,7 @@ def one_process(root: Path, *, size_bytes: int, share: float, steps: int, thread
     base = model_tensors(size_bytes)
     trainer = RLTrainer(base, seed=2)
     common = dict(catalog=f"file://{root}/one/catalog", model=MODEL, state_dir=root / "one" / "state",
-                  emit_event=False, keep_base="memory", workers=threads)
+                  emit_event=False, keep_base="memory", workers=threads, encoding=encoding)
     api.publish(base, kind="initial", **common)
     rows = []
     for _ in range(steps):
@@ -198,7 +201,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     result = {"schema": SCHEMA, "machine": machine(), "config": {k: str(v) for k, v in vars(args).items()}}
     log(f"one process, {args.size_mb} MiB, {args.share * 100:g} % changed, {args.threads} threads")
     result["one_process"] = one_process(root, size_bytes=args.size_mb * 2**20, share=args.share, steps=args.steps,
-                                        threads=args.threads)
+                                        threads=args.threads, encoding=args.encoding)
     result["sharded"] = [sharded(args, root, int(n)) for n in args.ranks.split(",") if n.strip()]
     if result["sharded"]:
         one = result["sharded"][0]["best"]["gb_s"]

@@ -30,7 +30,7 @@ from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, ObjectStoreSettings, PublishParams, RefitParams
 
 if TYPE_CHECKING:
-    from flows.publish import PublishResult
+    from flows.publish import PendingPublish, PublishResult
 
 __all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "forget", "FleetView", "WaitOutcome", "RefitResult",
            "Revision"]
@@ -49,7 +49,8 @@ Tensors = Mapping[str, Any] | Iterable[tuple[str, Any]]  # NumPy arrays or torch
 
 def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind: str = "delta",
             version: str | None = None, keep_base: str = "disk",
-            storage: ObjectStoreSettings | Mapping[str, Any] | None = None, **settings) -> PublishResult:
+            storage: ObjectStoreSettings | Mapping[str, Any] | None = None, wait: bool = True,
+            **settings) -> PublishResult | PendingPublish:
     """Publish a checkpoint as a new revision; returns the ``PublishResult`` the CLI prints (``version``,
     ``sequence``, ``record_url``, bytes written, ``seconds``, ``bytes_per_s`` of model bytes, ...).
 
@@ -66,8 +67,17 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
     ``keep_base`` is where that copy lives: ``disk`` (``state_dir``) or
     ``memory`` (this process: a copy of the tensors, no disk writes). Any
     other ``PublishParams`` field may be passed by name.
+
+    ``wait=False`` returns a ``PendingPublish`` as soon as the checkpoint was
+    read (planned, encoded, the next base copied): the trainer may change its
+    tensors and train on while the payload uploads and the record is written
+    in a thread; ``handle.result()`` gives the ``PublishResult`` or raises the
+    error that ended it. The next publication of the same catalog and model
+    in this process waits for it first. With ``keep_base="memory"`` the
+    process then holds two copies of the model (the base, and the one
+    waiting for its record).
     """
-    from flows.publish import run_publish
+    from flows.publish import run_publish, start_publish
     from storage.format.tensor_source import memory_checkpoint
 
     in_memory = not isinstance(checkpoint, (str, os.PathLike))
@@ -83,9 +93,13 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
         except RefitError as exc:
             raise exc.with_context(revision=version or _next_version(params)) from None
     try:
-        return run_publish(params, source=source, keep_base=keep_base)
+        if wait:
+            return run_publish(params, source=source, keep_base=keep_base)
+        pending = start_publish(params, source=source, keep_base=keep_base)
     except RefitError as exc:
         raise in_python_terms(exc) from exc.__cause__
+    pending.translate = in_python_terms
+    return pending
 
 
 def in_python_terms(exc: RefitError) -> RefitError:

@@ -25,8 +25,11 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
-from dataclasses import asdict  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow  # noqa: E402
@@ -35,7 +38,7 @@ from storage.catalog.records import Catalog, Revision  # noqa: E402
 from storage.errors import ImmutableConflict, RefitError  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
-from storage.catalog.kept_base import KEEP_BASES, PublisherCopy  # noqa: E402
+from storage.catalog.kept_base import KEEP_BASES, PublisherCopy, StagedCopy  # noqa: E402
 from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, make_record, same_publication  # noqa: E402
 from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
@@ -81,7 +84,10 @@ def put_publication(pub: Publisher, payload: Payload | None, url: str, record: R
         killpoint("publish.recorded", record.version)
         return written, created
 
-    written, created = retried(pub.params, f"publishing {record.version}", put)
+    try:
+        written, created = retried(pub.params, f"publishing {record.version}", put)
+    except RefitError as exc:  # a storage error names the object; the revision it belongs to is this one
+        raise exc.with_context(revision=record.version)
     return written, created, len(attempts)
 
 
@@ -105,31 +111,161 @@ def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None
         from flows.sharded import run_publish_part
 
         return run_publish_part(params, source=source, keep_base=keep_base)
+    with _one_at_a_time(params):
+        prepared = _prepare(Publisher(params), source, keep_base, time.perf_counter(), stage_copy=False)
+        return _complete(prepared)
+
+
+class PendingPublish:
+    """A publication whose checkpoint was read and encoded, still uploading (``start_publish``).
+
+    ``version`` and ``sequence`` are its revision's; ``result()`` waits for
+    the upload and the record and returns the ``PublishResult`` (or raises the
+    typed error that ended it); ``done()`` says whether it has ended.
+    ``blocked_s`` is how long the caller waited for it to be returned.
+    """
+
+    def __init__(self, version: str, sequence: int, future: Future, blocked_s: float):
+        self.version, self.sequence, self.blocked_s = version, sequence, blocked_s
+        self._future = future
+        self.translate = lambda exc: exc  # how a RefitError is raised to the caller (flows.api: Python's terms)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> PublishResult:
+        """The ``PublishResult`` once the record is written; raises its typed error, or ``TimeoutError``."""
+        try:
+            return self._future.result(timeout)
+        except RefitError as exc:
+            raise self.translate(exc) from exc.__cause__
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "uploading"
+        return f"<PendingPublish {self.version} (seq {self.sequence}) {state}>"
+
+
+def start_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None,
+                  keep_base: str = "disk") -> PendingPublish:
+    """``run_publish`` that returns once the checkpoint was read: planned, encoded, and the next delta's base
+    copied, so the caller may change its tensors or folder; the upload and the record go on in a thread.
+
+    Publications of one catalog and model in this process go one at a time:
+    the next one (either way) first waits for this one to end. If it fails,
+    nothing refers to its payload and the kept base is still its base, so
+    the next publication is planned as if it had never started. The thread
+    is not a daemon: a process that ends normally finishes the upload first.
+    """
+    if keep_base not in KEEP_BASES:
+        raise ValueError(f"keep_base must be one of {', '.join(KEEP_BASES)}, not {keep_base!r}")
+    if params.world_size is not None or params.rank is not None:
+        raise ValueError("a rank's part of a sharded publication is published with wait=True")
+    if in_flow_run():
+        raise ValueError("wait=False publishes outside a Prefect flow run (inside one, stages are its task runs)")
     started = time.perf_counter()
-    pub = Publisher(params)
+    turn = _turn(params)
+    turn.acquire()
     try:
-        return _publish(pub, source, keep_base, started)
-    finally:
-        pub.close()
+        prepared = _prepare(Publisher(params), source, keep_base, started, stage_copy=True)
+    except BaseException:
+        turn.release()
+        raise
+
+    def finish() -> PublishResult:
+        try:
+            return _complete(prepared)
+        finally:
+            turn.release()
+
+    future = _UPLOADS.submit(finish)
+    return PendingPublish(prepared.plan.version, prepared.plan.sequence, future,
+                          round(time.perf_counter() - started, 4))
 
 
-def _publish(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, started: float) -> PublishResult:
+_TURNS: dict[tuple[str, str], threading.Lock] = {}
+_TURNS_LOCK = threading.Lock()
+# joined when the interpreter exits (concurrent.futures does): a pending upload is finished, not dropped
+_UPLOADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="publish-upload")
+
+
+def _turn(params: PublishParams) -> threading.Lock:
+    """The lock one publication of a catalog and model holds from its plan to its record (released by the
+    thread that ends it)."""
+    with _TURNS_LOCK:
+        return _TURNS.setdefault((params.catalog, params.model), threading.Lock())
+
+
+@contextmanager
+def _one_at_a_time(params: PublishParams):
+    turn = _turn(params)
+    with turn:
+        yield
+
+
+@dataclass
+class _Prepared:
+    """What a publication has once its checkpoint was read: the payload staged, the record to write."""
+
+    pub: Publisher
+    plan: object
+    payload: Payload | None
+    snap: object
+    record: Revision
+    tmp: tempfile.TemporaryDirectory
+    started: float
+    keep_base: str
+    staged: StagedCopy | None = None
+
+
+def _prepare(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, started: float, *,
+             stage_copy: bool) -> _Prepared:
+    """Plan and encode (the stages that read the checkpoint); with ``stage_copy`` also copy the next base."""
     params, objects, catalog = pub.params, pub.objects, pub.catalog
-    # the catalog's prefix first: with one bucket for both, the probe is always under {catalog}/ (the one
-    # prefix a least-privilege policy lets the publisher delete in); a payload bucket of its own is probed too
-    for prefix in dict.fromkeys([catalog.url, pub.payload_root]):
-        retried(params, "checking create-only writes", lambda p=prefix: objects.ensure_conditional_writes(
-            p, allow_unconditional=params.allow_unconditional_writes))
-    plan = PLAN_REVISION(pub, source, keep_base)
-    url = join_url(pub.payload_root, plan.version)
-    with tempfile.TemporaryDirectory(prefix="canonical-refit-publish-") as tmp:
-        payload, snap = ENCODE_PAYLOAD(pub, plan, Path(tmp) / plan.version)
-        uri = join_url(url, payload.index_name) if payload else None
+    tmp = None
+    try:
+        # the catalog's prefix first: with one bucket for both, the probe is always under {catalog}/ (the one
+        # prefix a least-privilege policy lets the publisher delete in); a payload bucket of its own is probed too
+        for prefix in dict.fromkeys([catalog.url, pub.payload_root]):
+            retried(params, "checking create-only writes", lambda p=prefix: objects.ensure_conditional_writes(
+                p, allow_unconditional=params.allow_unconditional_writes))
+        plan = PLAN_REVISION(pub, source, keep_base)
+        tmp = tempfile.TemporaryDirectory(prefix="canonical-refit-publish-")
+        payload, snap = ENCODE_PAYLOAD(pub, plan, Path(tmp.name) / plan.version)
+        uri = join_url(join_url(pub.payload_root, plan.version), payload.index_name) if payload else None
         record = make_record(params.model, plan.version, plan.sequence, PAYLOAD_FORMATS[params.kind],
                              snap.checksum_format, snap.format_digest, snap.target_digest, base=plan.base, uri=uri)
         if plan.existing is not None and not same_publication(plan.existing, record):
             raise ImmutableConflict("a different revision is already published under this version",
                                     revision=plan.version, file=catalog.record_url(plan.version))
+        prepared = _Prepared(pub, plan, payload, snap, record, tmp, started, keep_base)
+        if stage_copy and params.keep_copy:
+            prepared.staged = PublisherCopy(params.state_dir, params.model, keep_base=keep_base).stage(
+                plan.target, record.version, snap.checksum_format, snap.checksums, workers=params.workers)
+        return prepared
+    except BaseException:
+        if tmp is not None:
+            tmp.cleanup()
+        pub.close()
+        raise
+
+
+def _complete(prepared: _Prepared) -> PublishResult:
+    """Upload the payload, write the record, announce it, keep the next base; the result."""
+    try:
+        result = _upload_and_record(prepared)
+    finally:
+        prepared.pub.close()
+    log.info("published %s (seq %d, %s): %d bytes written, %d changed tensor(s), ratio %.2f, %.2fs (%.0f MB/s "
+             "of model)", result.version, result.sequence, result.payload_format, result.bytes_written,
+             result.changed_tensors, result.compression_ratio, result.seconds, result.bytes_per_s / 1e6)
+    return result
+
+
+def _upload_and_record(prepared: _Prepared) -> PublishResult:
+    pub, plan, payload, record = prepared.pub, prepared.plan, prepared.payload, prepared.record
+    params, catalog = pub.params, pub.catalog
+    try:
+        url = join_url(pub.payload_root, plan.version)
         try:
             written, created, attempts = put_publication(pub, payload, url, record)
         except ImmutableConflict as exc:
@@ -144,20 +280,30 @@ def _publish(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, st
             url = fresh
             record = Revision.model_validate(record.to_json() | {"uri": join_url(fresh, payload.index_name)})
             written, created, attempts = put_publication(pub, payload, url, record)
+    except BaseException:
+        if prepared.staged is not None:
+            prepared.staged.discard()
+        raise
+    finally:
+        prepared.tmp.cleanup()
+    if prepared.staged is not None:
+        prepared.staged.commit()  # the record is written: this copy is the next delta's exact base
     if params.emit_event:
         if in_flow_run() or configured_api_url():
             emit_published(record, catalog)
         else:  # a trainer process without Prefect: nothing to announce to (nodes still find it by polling)
             log.info("no Prefect API configured: %s was published without the %s event", record.version, EVENT)
-    if params.keep_copy:
-        PublisherCopy(params.state_dir, params.model, keep_base=keep_base).keep(
-            plan.target, record.version, snap.checksum_format, snap.checksums, workers=params.workers)
-    seconds = time.perf_counter() - started
-    result = PublishResult(
+    if prepared.staged is None and params.keep_copy:
+        PublisherCopy(params.state_dir, params.model, keep_base=prepared.keep_base).keep(
+            plan.target, record.version, prepared.snap.checksum_format, prepared.snap.checksums,
+            workers=params.workers)
+    seconds = time.perf_counter() - prepared.started
+    return PublishResult(
         version=record.version, sequence=record.sequence, payload_format=record.payload_format,
         record_url=catalog.record_url(record.version), uri=record.uri, target_digest=record.target_digest,
         encoding=payload.encoding if payload else None, bytes_written=written,
-        decoded_bytes=payload.decoded_bytes if payload else 0, encoded_bytes=payload.encoded_bytes if payload else 0,
+        decoded_bytes=payload.decoded_bytes if payload else 0,
+        encoded_bytes=payload.encoded_bytes if payload else 0,
         compression_ratio=round(payload.compression_ratio, 3) if payload else 0.0,
         changed_tensors=len(payload.changed) if payload else 0, files=len(payload.files) if payload else 0,
         seconds=round(seconds, 3), model_bytes=plan.target.nbytes,
@@ -165,10 +311,6 @@ def _publish(pub: Publisher, source: MemoryCheckpoint | None, keep_base: str, st
         already_published=not created, attempts=attempts,
         stages=[r.summary() for r in pub.ledger.stages.values()],
     )
-    log.info("published %s (seq %d, %s): %d bytes written, %d changed tensor(s), ratio %.2f, %.2fs (%.0f MB/s "
-             "of model)", result.version, result.sequence, result.payload_format, result.bytes_written,
-             result.changed_tensors, result.compression_ratio, result.seconds, result.bytes_per_s / 1e6)
-    return result
 
 
 PUBLISH_FLAGS = [

@@ -38,6 +38,7 @@ class _KeptInMemory:
 
 
 _IN_MEMORY: dict[Path, _KeptInMemory] = {}  # this process's kept bases, by publisher state folder
+_SPARE: dict[Path, _KeptInMemory] = {}  # copies given up while a staged one waited: their buffers are reused
 _IN_MEMORY_LOCK = threading.Lock()
 
 
@@ -144,12 +145,32 @@ class PublisherCopy:
         """
         if self.in_memory and isinstance(source, MemoryCheckpoint):
             with _IN_MEMORY_LOCK:
-                old = _IN_MEMORY.pop(self.root.resolve(), None)
+                old = _IN_MEMORY.pop(self.root.resolve(), None) or _SPARE.pop(self.root.resolve(), None)
+                _SPARE.pop(self.root.resolve(), None)  # one copy is enough when nothing waits
             tensors = source.copy(reuse=old.checkpoint if old else None, workers=workers)
             kept = _KeptInMemory(version, checksum_format, dict(checksums), tensors)
             with _IN_MEMORY_LOCK:
                 _IN_MEMORY[self.root.resolve()] = kept
             return
+        self.stage(source, version, checksum_format, checksums, workers=workers).commit()
+
+    def stage(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
+              checksums: Mapping[str, str], *, workers: int = 4) -> "StagedCopy":
+        """A complete new copy of ``source`` that is not the kept copy yet: ``commit`` makes it the kept one
+        (once ``version``'s record is written), ``discard`` drops it. Until then the kept copy is unchanged.
+
+        In memory the tensors are copied into the buffers of a copy given up
+        earlier, when there is one (so a publisher that stages while its kept
+        copy is still the base holds two copies); on disk they are written to
+        a folder of their own under ``checkpoints/``, which ``last.json`` does
+        not name until ``commit``.
+        """
+        root = self.root.resolve()
+        if self.in_memory and isinstance(source, MemoryCheckpoint):
+            with _IN_MEMORY_LOCK:
+                spare = _SPARE.pop(root, None)
+            tensors = source.copy(reuse=spare.checkpoint if spare else None, workers=workers)
+            return StagedCopy(self, _KeptInMemory(version, checksum_format, dict(checksums), tensors))
         folders = self.root / "checkpoints"
         folders.mkdir(parents=True, exist_ok=True)
         name = f"{version}.{time.time_ns()}"
@@ -163,13 +184,56 @@ class PublisherCopy:
             copy_tree_files(source.folder if isinstance(source, CheckpointIndex) else source, staging)
         staging.rename(folders / name)
         fsync_dir(folders)
-        killpoint("publish.kept_staged", version)
+        return StagedCopy(self, _KeptOnDisk(version, checksum_format, dict(checksums), name))
+
+    def _switch_on_disk(self, kept: "_KeptOnDisk") -> None:
+        folders, name = self.root / "checkpoints", kept.folder
+        killpoint("publish.kept_staged", kept.version)
         files = {p.name: file_identity(p) for p in sorted((folders / name).iterdir()) if p.is_file()}
-        atomic_write_json(self.record_path, {"version": version, "checksum_format": checksum_format,
-                                             "checksums": dict(checksums), "files": files,
+        atomic_write_json(self.record_path, {"version": kept.version, "checksum_format": kept.checksum_format,
+                                             "checksums": dict(kept.checksums), "files": files,
                                              "folder": f"checkpoints/{name}"})
         for old in [*folders.iterdir(), self.root / "checkpoint"]:  # older copies, and a crashed keep's leftovers
             if old.name != name:
                 remove_tree(old)
         with _IN_MEMORY_LOCK:  # the disk copy is now the newer one
             _IN_MEMORY.pop(self.root.resolve(), None)
+            _SPARE.pop(self.root.resolve(), None)
+
+
+@dataclass(frozen=True)
+class _KeptOnDisk:
+    version: str
+    checksum_format: str
+    checksums: Mapping[str, str]
+    folder: str  # under checkpoints/
+
+
+@dataclass
+class StagedCopy:
+    """A new copy made by ``PublisherCopy.stage``, waiting for its revision's record."""
+
+    owner: PublisherCopy
+    kept: _KeptInMemory | _KeptOnDisk | None
+
+    def commit(self) -> None:
+        """Make it the kept copy (the one it replaces is kept as a spare in memory, removed on disk)."""
+        kept, self.kept = self.kept, None
+        if isinstance(kept, _KeptOnDisk):
+            self.owner._switch_on_disk(kept)
+        elif kept is not None:
+            root = self.owner.root.resolve()
+            with _IN_MEMORY_LOCK:
+                old = _IN_MEMORY.get(root)
+                _IN_MEMORY[root] = kept
+                if old is not None:
+                    _SPARE[root] = old
+
+    def discard(self) -> None:
+        """Drop it: the kept copy stays what it was (in memory its buffers are kept as the spare)."""
+        kept, self.kept = self.kept, None
+        if isinstance(kept, _KeptOnDisk):
+            remove_tree(self.owner.root / "checkpoints" / kept.folder)
+        elif kept is not None:
+            with _IN_MEMORY_LOCK:
+                _SPARE[self.owner.root.resolve()] = kept
