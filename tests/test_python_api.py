@@ -48,6 +48,22 @@ def test_the_rl_loop_runs_as_written_against_s3(tmp_path, s3):  # noqa: F811
     assert not (tmp_path / "work" / "publisher" / "me--tiny-policy" / "checkpoint").exists()  # keep_base memory
 
 
+def test_the_overlapped_rl_loop_runs_as_written(tmp_path):
+    script = tmp_path / "rl_loop_overlapped.py"
+    script.write_text(block("rl-loop-overlapped"))
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "LANG": "C.UTF-8", "DO_NOT_TRACK": "1",
+           "PYTHONPATH": str(ROOT_DIR), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "CANONICAL_REFIT_EXAMPLE_CATALOG": f"file://{tmp_path}/catalog",
+           "CANONICAL_REFIT_EXAMPLE_DIR": str(tmp_path / "work")}
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for step in (1, 2, 3):
+        assert f"step {step}: published r{step} in " in done.stdout, done.stdout
+    records = sorted(p.name for p in (tmp_path / "catalog").glob("r*.json"))
+    assert records == ["r0.json", "r1.json", "r2.json", "r3.json"]
+
+
 def test_publish_and_refit_from_inside_a_flow_run(prefect_api, tmp_path):
     from prefect import flow
     from safetensors.torch import save_file
