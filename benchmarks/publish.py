@@ -17,8 +17,14 @@ every N-th tensor of the model, train on them, and publish every step together
 (``flows.api.publish(..., rank=, world_size=, publication=)``) from memory,
 ``--rank-threads`` threads each; the timed window of a step opens when every
 rank is ready and closes when the last rank returns. Prints all ranks' rate of
-model bytes and each rank's own, against one rank's. Writes JSON under
-benchmarks/results/.
+model bytes and each rank's own, against one rank's.
+
+Part three, the upload overlapped with training: a loop of ``--train-s``
+training steps (a sleep: the GPU's work) that publishes every step to an S3
+server (moto) behind a proxy capping each connection at ``--upload-cap-mb-s``,
+once waiting for each publication and once with ``wait=False`` (the next step
+trains while the upload goes); prints the median step time and how long the
+trainer was blocked. Writes JSON under benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -57,6 +63,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts of the sharded part ('' skips it)")
     p.add_argument("--encoding", default="xor", help="publisher encoding of the one-process part (xor, the "
                                                      "publisher's default; auto, xor_sparse, overwrite, xor_gaps)")
+    p.add_argument("--train-s", type=float, default=1.0, help="seconds of a training step in the overlap part "
+                                                                "(0 skips it)")
+    p.add_argument("--upload-cap-mb-s", type=float, default=10.0,
+                   help="per-connection bandwidth of the S3 server in the overlap part, MB/s")
     p.add_argument("--rank-threads", type=int, default=1, help="encoding threads of each rank")
     p.add_argument("--json", type=Path, help="where to write the result (default benchmarks/results/publish-*.json)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
@@ -197,11 +207,82 @@ def sharded(args: argparse.Namespace, root: Path, world: int) -> dict:
             "versions": versions}
 
 
+def overlap(root: Path, *, size_bytes: int, share: float, steps: int, threads: int, train_s: float,
+            upload_cap_mb_s: float) -> dict:
+    """Part three: a training loop that publishes every step to an S3 server whose connections are capped at
+    ``upload_cap_mb_s``, once waiting for each publication and once not (``wait=False``); a training step is
+    ``train_s`` of sleep (the GPU's work, which leaves the CPU to the upload)."""
+    from flows import api
+    from flows.synthetic import RLTrainer
+    from storage.settings import ObjectStoreSettings
+    from testbed.s3 import MotoServer
+
+    credentials = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in credentials}
+    os.environ.update(credentials)
+    server = MotoServer(root / "moto.log", "bench").start()
+    proxy = subprocess.Popen([sys.executable, "-m", "testbed.s3proxy", server.url, "--bandwidth-mb-s",
+                              str(upload_cap_mb_s)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        storage = ObjectStoreSettings(endpoint_url=proxy.stdout.readline().strip(), region="us-east-1",
+                                      addressing_style="path")
+        out = {"train_s": train_s, "upload_cap_mb_s": upload_cap_mb_s, "steps": steps}
+        for label, wait in (("waiting", True), ("not waiting", False)):
+            base = model_tensors(size_bytes)
+            trainer = RLTrainer(base, seed=2)
+            weights = {n: a.copy() for n, a in base.items()}
+            common = dict(catalog=f"s3://bench/{label.replace(' ', '-')}/catalog", model=MODEL, storage=storage,
+                          state_dir=root / f"overlap-{label.replace(' ', '-')}", emit_event=False,
+                          keep_base="memory", workers=threads)
+            api.publish(weights, kind="initial", **common)
+            rows, pending = [], None
+            for _ in range(steps):
+                new = trainer.step(share)  # the next weights (computed outside the timed window)
+                t_train = time.perf_counter()
+                time.sleep(train_s)
+                for name, value in new.items():
+                    np.copyto(weights[name], value)  # the optimizer's in-place update
+                blocked = time.perf_counter()
+                if pending is not None:
+                    rows[-1]["publication_s"] = pending.result(timeout=600).seconds
+                if wait:
+                    result = api.publish(weights, **common)
+                else:
+                    pending = api.publish(weights, wait=False, **common)
+                end = time.perf_counter()
+                rows.append({"step_s": round(end - t_train, 3), "blocked_s": round(end - blocked, 3),
+                             "publication_s": result.seconds if wait else None})
+            if pending is not None:
+                last = pending.result(timeout=600)
+                rows[-1]["publication_s"] = last.seconds
+            out[label] = {"rows": rows, "step_s": round(float(np.median([r["step_s"] for r in rows])), 3),
+                          "blocked_s": round(float(np.median([r["blocked_s"] for r in rows])), 3)}
+            log(f"{label}: a step takes {out[label]['step_s']} s, the trainer blocked {out[label]['blocked_s']} s "
+                f"(median of {steps})")
+        out["step_ratio"] = round(out["not waiting"]["step_s"] / out["waiting"]["step_s"], 3)
+        return out
+    finally:
+        proxy.terminate()
+        proxy.wait(timeout=10)
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def run(args: argparse.Namespace, root: Path) -> dict:
     result = {"schema": SCHEMA, "machine": machine(), "config": {k: str(v) for k, v in vars(args).items()}}
     log(f"one process, {args.size_mb} MiB, {args.share * 100:g} % changed, {args.threads} threads")
     result["one_process"] = one_process(root, size_bytes=args.size_mb * 2**20, share=args.share, steps=args.steps,
                                         threads=args.threads, encoding=args.encoding)
+    if args.train_s > 0:
+        log(f"a training loop against S3 capped at {args.upload_cap_mb_s} MB/s per connection, {args.train_s} s "
+            "per training step, waiting for each publication or not")
+        result["overlap"] = overlap(root, size_bytes=args.size_mb * 2**20, share=args.share, steps=args.steps + 1,
+                                    threads=args.threads, train_s=args.train_s,
+                                    upload_cap_mb_s=args.upload_cap_mb_s)
     result["sharded"] = [sharded(args, root, int(n)) for n in args.ranks.split(",") if n.strip()]
     if result["sharded"]:
         one = result["sharded"][0]["best"]["gb_s"]
@@ -222,6 +303,14 @@ def table(result: dict) -> str:
              f"({', '.join(f'{k} {v}' for k, v in best['stages'].items())})",
              f"  {goal['target']}: {goal['measured']} x (bound {goal['bound']}) "
              f"{'met' if goal['met'] else 'not met'}"]
+    lap = result.get("overlap")
+    if lap:
+        lines += ["", f"a training loop ({lap['train_s']} s per training step), S3 capped at {lap['upload_cap_mb_s']} "
+                      "MB/s per connection (medians):",
+                  f"  waiting for each publication: a step takes {lap['waiting']['step_s']} s, the trainer blocked "
+                  f"{lap['waiting']['blocked_s']} s",
+                  f"  publish(wait=False):          a step takes {lap['not waiting']['step_s']} s, the trainer blocked "
+                  f"{lap['not waiting']['blocked_s']} s ({lap['step_ratio']} x the step time)"]
     if result["sharded"]:
         lines += ["", "sharded publishing (processes, each every N-th tensor; best step):",
                   "  ranks | threads/rank | all ranks, GB/s of model | vs first | each rank's own GB/s | versions"]

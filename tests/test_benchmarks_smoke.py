@@ -91,7 +91,8 @@ def test_publish_benchmark_publishes_from_one_process_and_from_ranks(tmp_path):
     """``benchmarks.publish`` at a tiny size: the one-process publisher beside its XOR reference, and the sharded
     example with one and two rank processes, every step a revision in its catalog."""
     out = tmp_path / "publish.json"
-    done = run_benchmark("benchmarks.publish", "--size-mb", "4", "--steps", "2", "--ranks", "1,2", "--json", str(out))
+    done = run_benchmark("benchmarks.publish", "--size-mb", "4", "--steps", "2", "--ranks", "1,2", "--train-s", "0.2",
+                         "--json", str(out))
     result = json.loads(out.read_text())
     assert result["schema"] == "canonical-refit.benchmark.publish.v1"
     one = result["one_process"]
@@ -107,3 +108,9 @@ def test_publish_benchmark_publishes_from_one_process_and_from_ranks(tmp_path):
         assert len(row["best"]["per_rank_gb_s"]) == row["ranks"]
         assert row["best"]["model_bytes"] == one["best"]["model_bytes"]  # the ranks hold the whole model
     assert "publish from memory >= 0.5 x in-memory XOR" in done.stdout
+    lap = result["overlap"]  # the training loop against capped S3, waiting for each publication and not
+    for label in ("waiting", "not waiting"):
+        rows = lap[label]["rows"]
+        assert len(rows) == 3 and all(0 < r["blocked_s"] <= r["step_s"] and r["publication_s"] > 0 for r in rows)
+        assert all(r["step_s"] >= 0.2 for r in rows)  # the training step itself
+    assert "publish(wait=False):" in done.stdout
