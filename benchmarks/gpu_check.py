@@ -9,8 +9,9 @@ It builds a synthetic bf16 model and one optimizer-step-like revision, publishes
 the real publisher code, then in the same run measures: single-thread zstd decode rate of the
 actual frames, the receiver's apply throughput (materialize + patch in place, checksums on the same
 pass) for 1, 2, 4, ... threads up to the core count, the digest of the result against the
-publisher's, and the rate at which the verified checkpoint's tensors reach GPU memory (mmap ->
-pinned -> device), checked byte for byte on the way back.
+publisher's, the rate at which the verified checkpoint's tensors reach GPU memory (mmap ->
+pinned -> device), checked byte for byte on the way back, and the install pause into CUDA parameters
+(``benchmarks.install --device cuda``, with torch's threads and with one copy thread; ``--install-mb``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def main() -> int:
     parser.add_argument("--size-mb", type=int, default=2048, help="model size in MiB (default 2048)")
     parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON results")
     parser.add_argument("--workdir", default=None, help="scratch folder (default: a temp dir)")
+    parser.add_argument("--install-mb", type=int, default=1000,
+                        help="model size of the install-pause measurement into CUDA parameters (0 skips it)")
     args = parser.parse_args()
 
     from storage.format.checkpoint import CheckpointIndex
@@ -154,10 +157,37 @@ def main() -> int:
         if n != threads[-1]:
             shutil.rmtree(work)
     out["gpu"] = gpu_upload(CheckpointIndex(root / f"work-{threads[-1]}", base_index.tensors, base_index.headers))
+    shutil.rmtree(root / f"work-{threads[-1]}", ignore_errors=True)
+    out["install"] = install_pause(root / "install", args.install_mb)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(json.dumps(out, indent=2))
     shutil.rmtree(root, ignore_errors=True)
     return 0 if all(a["digest_ok"] for a in out["apply"]) and out["gpu"].get("exact", True) else 1
+
+
+def install_pause(root: Path, size_mb: int, device: str = "cuda") -> dict:
+    """The install pause on ``device`` (``python -m benchmarks.install --device cuda``): the in-engine loader
+    taking a prepared checkpoint into a torch module's parameters there, against a plain parallel copy of
+    the same bytes, each checked bit for bit; with one copy thread as well, as an engine copies."""
+    if size_mb <= 0:
+        return {"skipped": "--install-mb 0"}
+    try:
+        import torch
+    except ImportError:
+        return {"skipped": "no torch"}
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return {"skipped": "no CUDA device"}
+    from benchmarks import install
+
+    out = {}
+    for label, extra in (("threads", []), ("one_copy_thread", ["--torch-threads", "1"])):
+        folder = root / label
+        folder.mkdir(parents=True, exist_ok=True)
+        result = install.run(install.parse_args(["--size-mb", str(size_mb), "--device", device, *extra]), folder)
+        out[label] = {"reference": result["reference"], "loader": result["loader"], "goal": result["goal"]}
+        print(install.table(result), flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 def gpu_upload(index) -> dict:
