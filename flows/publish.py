@@ -39,13 +39,13 @@ from storage.errors import ImmutableConflict, RefitError  # noqa: E402
 from storage.killpoints import killpoint  # noqa: E402
 from storage.urls import join_url, parent_url  # noqa: E402
 from storage.catalog.kept_base import KEEP_BASES, PublisherCopy, StagedCopy  # noqa: E402
-from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, make_record, same_publication  # noqa: E402
+from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, Snapshot, make_record, same_publication  # noqa: E402
 from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
 from storage.settings import PublishParams  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from flows.prefect_api import configured_api_url  # noqa: E402
 from tasks.encode_payload import ENCODE_PAYLOAD  # noqa: E402
-from tasks.plan_revision import PLAN_REVISION  # noqa: E402
+from tasks.plan_revision import PLAN_REVISION, Publication  # noqa: E402
 from tasks.publisher import Publisher, PublishResult  # noqa: E402
 from tasks.upload_payload import UPLOAD_PAYLOAD  # noqa: E402
 from tasks.write_record import EVENT, WRITE_RECORD, emit_published  # noqa: E402,F401 (re-exported)
@@ -207,9 +207,9 @@ class _Prepared:
     """What a publication has once its checkpoint was read: the payload staged, the record to write."""
 
     pub: Publisher
-    plan: object
+    plan: Publication
     payload: Payload | None
-    snap: object
+    snap: Snapshot
     record: Revision
     tmp: tempfile.TemporaryDirectory
     started: float
