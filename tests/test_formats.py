@@ -186,6 +186,22 @@ def test_round_trip_checksums_in_every_format(encoding, fmt):
     assert checksum_bytes(fmt, dest) == _spec_checksum(fmt, target.tobytes())
 
 
+@pytest.mark.parametrize("n", [3 * 2**20 + 5, 2**20, 4097])  # blocks of 1 MiB, a tail not a multiple of 8
+@pytest.mark.parametrize("share", [0.0005, 0.02, 0.2, 0.9])  # few changed words, and most of them
+@pytest.mark.parametrize("encoding", ["xor_sparse", "overwrite"])
+def test_the_publishers_sparse_record_is_the_reference_record(n, share, encoding):
+    """Whichever way the publisher finds the changed bytes (word by word when changes are rare), its record is
+    byte for byte the one built from scratch (``sparse_record``: every position where base and target differ)."""
+    rng = np.random.default_rng(int(share * 1e4) + n)
+    base = rng.integers(0, 256, n, dtype=np.uint8)
+    target = base.copy()
+    hit = rng.random(n) < share
+    target[hit] ^= rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
+    target[-1] ^= 1  # the very last byte, in the tail
+    frame = encode_delta(base, target, encoding, level=1)
+    assert zstandard.ZstdDecompressor().decompress(frame) == sparse_record(base, target, encoding)
+
+
 def test_sparse_records_have_the_spec_layout():
     base = np.zeros(10, dtype=np.uint8)
     target = base.copy()

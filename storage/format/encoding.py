@@ -89,6 +89,7 @@ class Encoder:
         self.block = block
         self._xor = np.empty(block, dtype=np.uint8)
         self._mask = np.empty(block, dtype=bool)
+        self._words = np.empty(block // 8 + 1, dtype=bool)
         self._in = (np.empty(block, dtype=np.uint8), np.empty(block, dtype=np.uint8))
         self._cctx: dict[int, zstandard.ZstdCompressor] = {}
 
@@ -160,12 +161,29 @@ class Encoder:
             np.bitwise_xor(b, t, out=x)
             if checksum is not None:
                 checksum.update(t)
-            np.not_equal(x, 0, out=mask)
-            rel = np.flatnonzero(mask)
+            rel = self._nonzero(x, mask)
             if rel.size:
                 values.append(t[rel] if overwrite else x[rel])
                 positions.append((start + s, rel.astype(np.uint32)))
         return positions, values
+
+    def _nonzero(self, x: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """Offsets of the non-zero bytes of ``x``, ascending. Where at most a quarter of its 8-byte words
+        hold a change (RL steps), the words are found first and only theirs are looked into: NumPy finds
+        the true entries of a bool array several times faster than the non-zero ones of any other."""
+        words = x.size // 8
+        flags = self._words[:words]
+        x64 = x[: words * 8].view(np.uint64)
+        np.not_equal(x64, 0, out=flags)
+        if np.count_nonzero(flags) * 4 > words or x.size % 8:
+            np.not_equal(x, 0, out=mask)
+            return np.flatnonzero(mask)
+        hit = np.flatnonzero(flags)
+        inner = np.flatnonzero(x64[hit].view(np.uint8) != 0)  # byte offsets inside the changed words
+        out = hit[inner >> 3]
+        out <<= 3
+        out += inner & 7
+        return out
 
     def _sparse_frame(self, setting: Setting, positions, values, count: int) -> bytes:
         encoding = setting.encoding
