@@ -2,6 +2,7 @@
 
     python -m benchmarks.fleet --nodes 8
     python -m benchmarks.fleet --quick          # 3 nodes, a tiny model, 2 publications
+    python -m benchmarks.fleet --sweep 8,16,32,64 --model tiny --fan-out agent [--scaled 2]
 
 Starts a Prefect server on a fresh PostgreSQL database (dropped after), moto
 S3, and N ``python -m deployments.serve --node nodeK`` agents, each with its
@@ -26,11 +27,13 @@ JSON under benchmarks/results/.
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from benchmarks._bench import bench_main
+from benchmarks._bench import ROOT, bench_main
 from testbed.fleet import FleetLab, saturate, summarize_waves
 from testbed.processes import load_average, machine
 
@@ -57,14 +60,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fan-out", choices=("automation", "agent"), default="automation",
                    help="who turns a publication into each node's run: a server automation per node, or each agent "
                         "(deployments.serve --fan-out)")
+    p.add_argument("--sweep", default="", metavar="N,N,...",
+                   help="run the fleet once per node count (e.g. 8,16,32,64), each on a fresh server, and print "
+                        "every goal per count and whether the server's CPU per refit stays flat")
     p.add_argument("--quick", action="store_true", help="3 nodes, tiny model, 2 publications, 10 s idle")
     p.add_argument("--json", type=Path, help="where to write the result (default benchmarks/results/fleet-*.json)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
     args = p.parse_args(argv)
     if args.quick:
         args.nodes, args.publications, args.idle_seconds, args.model = 3, 2, 10.0, "tiny"
-    if args.nodes < 1 or args.publications < 1:
-        p.error("--nodes and --publications must be >= 1")
+    try:
+        args.sweep_nodes = [int(n) for n in args.sweep.split(",") if n.strip()]
+    except ValueError:
+        p.error("--sweep takes node counts, e.g. 8,16,32,64")
+    if args.nodes < 1 or args.publications < 1 or any(n < 1 for n in args.sweep_nodes):
+        p.error("--nodes, --sweep and --publications must be >= 1")
     return args
 
 
@@ -77,6 +87,23 @@ def model_of(name: str):
 
 
 def run(args: argparse.Namespace, root: Path) -> dict:
+    if not args.sweep_nodes:
+        return run_fleet(args, root)
+    sweep = []
+    for nodes in args.sweep_nodes:  # each count in a process and on a server of its own (Prefect's event client
+        log(f"sweep: {nodes} nodes")  # keeps the first API it reached for the life of its process)
+        out = root / f"fleet-{nodes}.json"
+        argv = ["--nodes", str(nodes), "--publications", str(args.publications), "--idle-seconds",
+                str(args.idle_seconds), "--model", args.model, "--scaled", str(args.scaled), "--fan-out",
+                args.fan_out, "--json", str(out)]
+        if args.poll_seconds is not None:
+            argv += ["--poll-seconds", str(args.poll_seconds)]
+        subprocess.run([sys.executable, "-m", "benchmarks.fleet", *argv], check=True, cwd=ROOT)
+        sweep.append(json.loads(out.read_text()))
+    return {"schema": SCHEMA, "machine": machine(), "sweep": sweep}
+
+
+def run_fleet(args: argparse.Namespace, root: Path) -> dict:
     shape, share = model_of(args.model)
     names = [f"node{k + 1}" for k in range(args.nodes)]
     result: dict = {"schema": SCHEMA, "machine": machine(), "nodes": args.nodes, "model": args.model,
@@ -151,7 +178,31 @@ def goals(r: dict) -> list[str]:
     return out
 
 
+FLAT = 1.2  # the server's CPU per refit at the largest count, at most this times the smallest count's
+
+
+def sweep_table(r: dict) -> str:
+    """Every count's goals side by side, and whether the per-refit server cost stays flat."""
+    rows = r["sweep"]
+    lines = [table(row) + "\n" for row in rows]
+    lines.append(f"{'nodes':>6} | {'publish -> all Ready p99':>25} | {'event -> run start p50 / p99':>29} | "
+                 f"{'server CPU per refit':>20} | {'requests + events per refit':>27}")
+    for row in rows:
+        s = row["summary"]
+        lines.append(f"{row['nodes']:>6} | {_p99_waves(row, 'all_ready_after_publish_start_s'):>23.2f} s | "
+                     f"{s['event_to_run_start_s']['p50']:>12.2f} s / {_p99(row, 'run_start_after_event_s'):>9.2f} s | "
+                     f"{s['server_cpu_s_per_refit']:>18.2f} s | "
+                     f"{s['api_requests_per_refit']['p50'] + s['api_events_per_refit']['p50']:>27.0f}")
+    first, last = rows[0]["summary"]["server_cpu_s_per_refit"], rows[-1]["summary"]["server_cpu_s_per_refit"]
+    flat = last <= FLAT * first
+    lines.append(f"goal {'server CPU per refit flat from ' + str(rows[0]['nodes']) + ' to ' + str(rows[-1]['nodes']) + ' nodes (<= 1.2 x)':<62}"
+                 f"{'met' if flat else 'NOT met'} ({first:.2f} -> {last:.2f} s)")
+    return "\n".join(lines)
+
+
 def table(r: dict) -> str:
+    if "sweep" in r:
+        return sweep_table(r)
     s = r["summary"]
     lines = [f"fleet: {r['nodes']} nodes, model {r['model']} ({r['model_bytes'] / 1e6:.0f} MB), deltas "
              f"{', '.join(f'{b / 1e6:.2f}' for b in s['payload_bytes'])} MB, poll {r['poll_s'] or 'default'} s; "
