@@ -28,7 +28,6 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -111,7 +110,7 @@ def run_publish(params: PublishParams, *, source: MemoryCheckpoint | None = None
         from flows.sharded import run_publish_part
 
         return run_publish_part(params, source=source, keep_base=keep_base)
-    with _one_at_a_time(params):
+    with _turn(params):
         prepared = _prepare(Publisher(params), source, keep_base, time.perf_counter(), stage_copy=False)
         return _complete(prepared)
 
@@ -193,13 +192,6 @@ def _turn(params: PublishParams) -> threading.Lock:
     thread that ends it)."""
     with _TURNS_LOCK:
         return _TURNS.setdefault((params.catalog, params.model), threading.Lock())
-
-
-@contextmanager
-def _one_at_a_time(params: PublishParams):
-    turn = _turn(params)
-    with turn:
-        yield
 
 
 @dataclass

@@ -72,7 +72,6 @@ def test_a_trainer_that_does_not_wait_publishes_what_a_waiting_one_does(tmp_path
     results = [h.result(timeout=60) for h in handles]
     assert [(h.version, h.sequence) for h in handles] == [(f"r{n}", n) for n in range(5)]
     assert [r.version for r in results] == [f"r{n}" for n in range(5)] and all(h.done() for h in handles)
-    assert all(h.blocked_s <= r.seconds for h, r in zip(handles, results))
     left, right = files_under(tmp_path / "async"), files_under(tmp_path / "sync")
     assert sorted(left) == sorted(right)
     for name in left:

@@ -145,8 +145,9 @@ class PublisherCopy:
         """
         if self.in_memory and isinstance(source, MemoryCheckpoint):
             with _IN_MEMORY_LOCK:
-                old = _IN_MEMORY.pop(self.root.resolve(), None) or _SPARE.pop(self.root.resolve(), None)
-                _SPARE.pop(self.root.resolve(), None)  # one copy is enough when nothing waits
+                old = _IN_MEMORY.pop(self.root.resolve(), None)
+                spare = _SPARE.pop(self.root.resolve(), None)  # one copy is enough when nothing waits
+            old = old or spare
             tensors = source.copy(reuse=old.checkpoint if old else None, workers=workers)
             kept = _KeptInMemory(version, checksum_format, dict(checksums), tensors)
             with _IN_MEMORY_LOCK:

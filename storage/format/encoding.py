@@ -89,7 +89,7 @@ class Encoder:
         self.block = block
         self._xor = np.empty(block, dtype=np.uint8)
         self._mask = np.empty(block, dtype=bool)
-        self._words = np.empty(block // 8 + 1, dtype=bool)
+        self._words = np.empty(block // 8, dtype=bool)
         self._in = (np.empty(block, dtype=np.uint8), np.empty(block, dtype=np.uint8))
         self._cctx: dict[int, zstandard.ZstdCompressor] = {}
 
@@ -171,19 +171,19 @@ class Encoder:
         """Offsets of the non-zero bytes of ``x``, ascending. Where at most a quarter of its 8-byte words
         hold a change (RL steps), the words are found first and only theirs are looked into: NumPy finds
         the true entries of a bool array several times faster than the non-zero ones of any other."""
-        words = x.size // 8
-        flags = self._words[:words]
-        x64 = x[: words * 8].view(np.uint64)
-        np.not_equal(x64, 0, out=flags)
-        if np.count_nonzero(flags) * 4 > words or x.size % 8:
-            np.not_equal(x, 0, out=mask)
-            return np.flatnonzero(mask)
-        hit = np.flatnonzero(flags)
-        inner = np.flatnonzero(x64[hit].view(np.uint8) != 0)  # byte offsets inside the changed words
-        out = hit[inner >> 3]
-        out <<= 3
-        out += inner & 7
-        return out
+        words, tail = divmod(x.size, 8)
+        if not tail:  # a tensor's last block may end inside a word: that one goes byte by byte
+            x64, flags = x.view(np.uint64), self._words[:words]
+            np.not_equal(x64, 0, out=flags)
+            if np.count_nonzero(flags) * 4 <= words:
+                hit = np.flatnonzero(flags)
+                inner = np.flatnonzero(x64[hit].view(np.uint8) != 0)  # byte offsets inside the changed words
+                out = hit[inner >> 3]
+                out <<= 3
+                out += inner & 7
+                return out
+        np.not_equal(x, 0, out=mask)
+        return np.flatnonzero(mask)
 
     def _sparse_frame(self, setting: Setting, positions, values, count: int) -> bytes:
         encoding = setting.encoding
