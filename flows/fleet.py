@@ -8,14 +8,27 @@ Every node writes its own status record beside the catalog after each refit,
 and its agent refreshes it on an interval (``storage/catalog/nodes.py``,
 ``flows/node_report.py``); this reads them. A node's ``version`` is what
 every one of its engines confirmed running. ``wait`` is the question an RL
-loop asks after each publication: it returns 0 once every expected node is
-alive and runs the version or a newer one (or ``--nodes N`` of them do), 1 at
-the timeout naming each node that is behind (alive, older), stale (not seen
-alive), drifted (its engines disagree with its store) or unseen (expected,
-no record), and 3 as soon as a node is poisoned. The same as Python
-functions: ``fleet_status``, ``wait_for`` and ``forget``. ``poisoned_alert``
-is the Prefect automation that notifies someone when a node reports itself
-poisoned (docs/fleet.md).
+loop asks after each publication, answered within one poll of the moment
+the answer is known:
+
+* 0 ``reached``: every expected node is alive and runs the version or a
+  newer one (or ``--nodes N`` of them do);
+* 3 ``poisoned``: an expected node is poisoned (at once);
+* 4 ``failed``: every expected node that has not reached the version failed
+  it: its last refit toward the version, or toward a newer one, ended
+  FAILED on a permanent error (a corrupt or malformed revision, a wrong
+  base); ``failures`` names each with its error;
+* 1 ``timeout``: each node still on its way is named: behind (alive,
+  older), stale (not seen alive), drifted (its engines disagree with its
+  store), unseen (expected, no record) or unreadable (its record could not
+  be read).
+
+A catalog or a node-record folder that cannot be read (storage down) is
+read again at the next poll until the timeout; the outcome says so
+(``problems``). The same as Python functions: ``fleet_status``, ``wait_for``
+(which raises ``VersionFailed`` for ``failed``) and ``forget``.
+``poisoned_alert`` is the Prefect automation that notifies someone when a
+node reports itself poisoned (docs/fleet.md).
 """
 
 from __future__ import annotations
@@ -31,10 +44,10 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from flows.options import Flag, add_flags, build, given
 from storage.catalog.records import Catalog
-from storage.errors import ObjectNotFound, RefitError
-from storage.catalog.nodes import DRIFTED, STALE, NodeRecord, delete_node_record, read_node_records
+from storage.errors import RefitError
+from storage.catalog.nodes import DRIFTED, STALE, NodeRecord, delete_node_record, read_node_records, scan_node_records
 from storage.objects.store import ObjectStore
-from storage.settings import MODEL_PATTERN, ObjectStoreSettings
+from storage.settings import MODEL_PATTERN, VERSION_PATTERN, ObjectStoreSettings
 
 
 
@@ -45,17 +58,20 @@ class FleetParams(BaseSettings):
 
     catalog: str = Field(..., description="catalog URL: s3://bucket/prefix, file:///path or a local path")
     model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
-    version: str | None = Field(None, description="wait: the version (or any newer one) the nodes must run")
+    version: str | None = Field(None, pattern=VERSION_PATTERN,
+                                description="wait: the version (or any newer one) the nodes must run")
     nodes: int | None = Field(None, ge=1, description="wait: enough once this many nodes run it (default: every "
                                                       "expected node)")
     expect: list[str] = Field(default_factory=list, description="wait: nodes that must be there even without a "
                                                                 "record yet (repeat the flag; every node with a "
                                                                 "record is expected too)")
     all_seen_within_s: float | None = Field(
-        None, gt=0, description="wait: a node not seen alive within this many seconds is stale (default: three of "
-                                "its agent's heartbeats); a stale node is never counted as reached")
+        None, gt=0, description="wait: a node not seen alive within this many seconds is stale (default: one of "
+                                "its agent's heartbeats plus a grace of max(5 s, half a beat)); a stale node is "
+                                "never counted as reached")
     node: str | None = Field(None, description="forget: the node whose record to remove")
-    timeout_s: float = Field(600.0, gt=0, description="wait: give up after this many seconds (exit 1)")
+    timeout_s: float = Field(600.0, gt=0, description="wait: give up after this many seconds (exit 1); an "
+                                                      "unreadable catalog is read again until then")
     poll_s: float = Field(1.0, gt=0, description="wait: seconds between reads of the node records")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
 
@@ -71,11 +87,18 @@ class FleetView:
         return {"nodes": [n.to_json() for n in self.nodes], "problems": self.problems}
 
 
+OUTCOME_EXIT_CODES = {"reached": 0, "timeout": 1, "poisoned": 3, "failed": 4}
+
+
 @dataclass
 class WaitOutcome:
-    """How a wait ended: ``reached`` (exit 0), ``timeout`` (1) or ``poisoned`` (3), and every node's place.
+    """How a wait ended: ``reached`` (exit 0), ``timeout`` (1), ``poisoned`` (3) or ``failed`` (4), and every
+    node's place.
 
-    ``laggards`` is every expected node not counted as reached (behind, stale, drifted or unseen).
+    ``laggards`` is every expected node not counted as reached (behind, stale, drifted, unseen, unreadable or
+    failed). ``failures`` maps each failed node to what it tried (``version``: the version its last refit
+    resolved, the waited one or a newer one) and its ``error``. ``problems`` says what could not be read at the
+    last poll (the catalog record of the version, the node-record folder, a record).
     """
 
     outcome: str
@@ -89,25 +112,47 @@ class WaitOutcome:
     stale: list[str] = field(default_factory=list)
     drifted: list[str] = field(default_factory=list)
     unseen: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    failures: dict[str, dict] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         if self.outcome == "reached":
             return f"{len(self.reached)} node(s) run {self.version} or newer: {', '.join(self.reached)}"
         if self.outcome == "poisoned":
-            return f"poisoned: {', '.join(self.poisoned)} (run `python -m flows.refit recover` there)"
+            return (f"poisoned: {', '.join(self.poisoned)} (on that node run the `next:` command its refit "
+                    "printed: `python -m flows.refit recover --model ... --cache-dir ...`)")
+        if self.outcome == "failed":
+            done = f"; reached: {', '.join(self.reached)}" if self.reached else ""
+            return (f"every node that does not run {self.version} failed it: "
+                    + "; ".join(f"{name} ({failure['version']}): {failure['error']}"
+                                for name, failure in self.failures.items()) + done)
         parts = [f"{label}: {', '.join(names)}" for label, names in (
             ("behind", self.behind), ("stale (not seen alive)", self.stale), ("drifted", self.drifted),
-            ("unseen", self.unseen)) if names]
-        return f"timed out after {self.seconds:.0f}s; " + ("; ".join(parts) or "no node has a record")
+            ("unseen", self.unseen), ("unreadable record", self.unreadable), ("failed", self.failed)) if names]
+        text = f"timed out after {self.seconds:.0f}s; " + ("; ".join(parts) or "no node has a record")
+        return text + "".join(f"; could not read {problem}" for problem in self.problems)
 
     @property
     def exit_code(self) -> int:
-        return {"reached": 0, "timeout": 1, "poisoned": 3}[self.outcome]
+        return OUTCOME_EXIT_CODES[self.outcome]
 
     def to_json(self) -> dict:
         out = asdict(self)
         out["view"] = self.view.to_json()
         return out
+
+
+class VersionFailed(RefitError):
+    """``wait_for``: every expected node that does not run the version failed its refit to it (or to a newer
+    one) on a permanent error. ``outcome`` is the ``WaitOutcome``; ``failures`` maps each failed node to the
+    version it tried and its error."""
+
+    def __init__(self, outcome: WaitOutcome):
+        self.outcome = outcome
+        self.failures = outcome.failures
+        super().__init__(f"wait for {outcome.version}: {outcome.describe()}", revision=outcome.version)
 
 
 def fleet_status(catalog: str, model: str, *, storage: ObjectStoreSettings | None = None) -> FleetView:
@@ -126,62 +171,130 @@ def forget(catalog: str, model: str, node: str, *, storage: ObjectStoreSettings 
 
 def wait_for(version: str, *, catalog: str, model: str, nodes: int | None = None, expect: list[str] | None = None,
              all_seen_within_s: float | None = None, timeout_s: float = 600.0, poll_s: float = 1.0,
-             storage: ObjectStoreSettings | None = None) -> WaitOutcome:
+             storage: ObjectStoreSettings | None = None, check: bool = True) -> WaitOutcome:
     """Wait until every expected node (or ``nodes`` of them) is alive and runs ``version`` or newer (by catalog
-    sequence); see the module."""
+    sequence), an expected node is poisoned, or every expected node that does not run it failed it; see the
+    module. Returns the ``WaitOutcome`` (``reached``, ``timeout``, ``poisoned``); ``failed`` raises
+    ``VersionFailed`` carrying it (with ``check=False``, returns it).
+
+    Expected nodes: every node with a record, and each name in ``expect``. A node is stale when not seen alive
+    within ``all_seen_within_s`` (default: one of its agent's heartbeats plus a grace). ``poll_s``: seconds
+    between reads of the records; ``timeout_s``: when to give up. An unreadable catalog or node-record folder
+    is read again at every poll until the timeout.
+    """
     objects = ObjectStore.shared(storage)
     revisions = Catalog(objects, catalog, model)
-    wanted = revisions.read(version).sequence
-    sequences: dict[str, int | None] = {}
+    started = time.monotonic()
+    while True:
+        problems: list[str] = []
+        places = _places(revisions, objects, catalog, model, version, expect, all_seen_within_s, problems)
+        elapsed = round(time.monotonic() - started, 3)
+        kind = _ended(places, nodes)
+        if kind is None and elapsed >= timeout_s:
+            kind = "timeout"
+        if kind is not None:
+            outcome = WaitOutcome(
+                kind, version, places.reached, sorted(places.pending + places.failed), places.poisoned, elapsed,
+                places.view, places.behind, places.stale, places.drifted, places.unseen, places.unreadable,
+                places.failed, places.failures, problems)
+            if kind == "failed" and check:
+                raise VersionFailed(outcome)
+            return outcome
+        time.sleep(min(poll_s, max(0.0, timeout_s - elapsed)))
 
-    def sequence_of(v: str | None) -> int | None:
+
+@dataclass
+class _Places:
+    """One poll's answer: where each expected node stands."""
+
+    view: FleetView
+    reached: list[str] = field(default_factory=list)
+    behind: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+    drifted: list[str] = field(default_factory=list)
+    unseen: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+    poisoned: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    failures: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> list[str]:
+        """Nodes that may still get there."""
+        return self.behind + self.stale + self.drifted + self.unseen + self.unreadable
+
+
+def _ended(places: _Places, nodes: int | None) -> str | None:
+    """How the wait ends after this poll, or None to poll again."""
+    if places.poisoned:
+        return "poisoned"
+    if nodes is not None:
+        if len(places.reached) >= nodes:
+            return "reached"
+    elif places.reached and not places.pending and not places.failed:
+        return "reached"
+    if places.failed and not places.pending:
+        return "failed"
+    return None
+
+
+def _places(revisions: Catalog, objects: ObjectStore, catalog: str, model: str, version: str,
+            expect: list[str] | None, all_seen_within_s: float | None, problems: list[str]) -> _Places:
+    """Read the records once and place every expected node; what could not be read goes to ``problems``."""
+    try:
+        scan = scan_node_records(objects, catalog, model)
+    except RefitError as exc:  # the folder could not be listed: no node is placed from a guess
+        problems.append(f"the node records: {exc}")
+        scan = None
+    records = scan.records if scan is not None else []
+    places = _Places(FleetView(records))
+    by_name = {r.node: r for r in records}
+    sequences: dict[str, int | None] = {}  # this poll's catalog reads (successful reads stay memoised in it)
+
+    def sequence_of(v: str | None, *, waited: bool = False) -> int | None:
         if v is None:
             return None
         if v not in sequences:
             try:
                 sequences[v] = revisions.read(v).sequence
-            except (ObjectNotFound, RefitError):
+            except RefitError as exc:  # storage down, or a record that is not (yet) there: read again next poll
                 sequences[v] = None
+                if waited:
+                    problems.append(f"the catalog record of {v}: {exc}")
         return sequences[v]
 
-    started = time.monotonic()
-    while True:
-        records, problems = read_node_records(objects, catalog, model)
-        view = FleetView(records, problems)
-        by_name = {r.node: r for r in records}
-        places: dict[str, list[str]] = {k: [] for k in ("reached", "behind", "stale", "drifted", "unseen",
-                                                        "poisoned")}
-        for name in sorted(set(expect or ()) | set(by_name)):
-            record = by_name.get(name)
-            if record is None:
-                places["unseen"].append(name)
-                continue
-            condition = record.condition(all_seen_within_s)
-            sequence = sequence_of(record.version)
-            if condition == "POISONED":
-                places["poisoned"].append(name)
-            elif condition == STALE:
-                places["stale"].append(name)
-            elif condition == DRIFTED:
-                places["drifted"].append(name)
-            elif sequence is not None and sequence >= wanted:
-                places["reached"].append(name)
-            else:
-                places["behind"].append(name)
-        missing = places["behind"] + places["stale"] + places["drifted"] + places["unseen"]
-        elapsed = round(time.monotonic() - started, 3)
+    wanted = sequence_of(version, waited=True)
 
-        def outcome(kind: str) -> WaitOutcome:
-            return WaitOutcome(kind, version, places["reached"], sorted(missing), places["poisoned"], elapsed,
-                               view, places["behind"], places["stale"], places["drifted"], places["unseen"])
+    def at_or_above(v: str | None) -> bool:
+        if v is None:
+            return False
+        if v == version:
+            return True
+        sequence = sequence_of(v) if wanted is not None else None
+        return sequence is not None and sequence >= wanted
 
-        if places["poisoned"]:
-            return outcome("poisoned")
-        if len(places["reached"]) >= nodes if nodes is not None else (places["reached"] and not missing):
-            return outcome("reached")
-        if elapsed >= timeout_s:
-            return outcome("timeout")
-        time.sleep(min(poll_s, max(0.0, timeout_s - elapsed)))
+    unreadable = set(scan.unreadable) if scan is not None else set()
+    for name in sorted(set(expect or ()) | set(by_name) | unreadable):
+        record = by_name.get(name)
+        if record is None:
+            (places.unreadable if name in unreadable else places.unseen).append(name)
+            continue
+        condition = record.condition(all_seen_within_s)
+        if condition == "POISONED":
+            places.poisoned.append(name)
+        elif condition == STALE:
+            places.stale.append(name)
+        elif condition == DRIFTED:
+            places.drifted.append(name)
+        elif at_or_above(record.version):
+            places.reached.append(name)
+        elif record.status == "FAILED" and not record.transient and at_or_above(record.attempted):
+            places.failed.append(name)
+            places.failures[name] = {"version": record.attempted, "status": record.status, "error": record.error}
+        else:
+            places.behind.append(name)
+    places.view.problems = problems + (scan.problems if scan is not None else [])
+    return places
 
 
 NODE_EVENT_PREFIX = "canonical-refit.node"  # flows.node_report.NODE_EVENT, without importing the refit flow here
@@ -220,8 +333,9 @@ FLEET_FLAGS_BY_COMMAND = {"status": STATUS_FLAGS, "wait": WAIT_FLAGS, "forget": 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m flows.fleet", description=(
         "The fleet view: what each node's engines run, its condition and its age. Exit codes of wait: 0 every "
-        "expected node is alive and runs the version, 1 timeout (each node not there is named), 3 a node is "
-        "poisoned."))
+        "expected node is alive and runs the version, 1 timeout (each node not there is named), 2 usage, 3 a "
+        "node is poisoned, 4 failed (every expected node that does not run the version failed it; each is named "
+        "with its error)."))
     commands = parser.add_subparsers(dest="command", required=True)
     for name, flags, text in (("status", STATUS_FLAGS, "print every node's version, condition, age and last error"),
                               ("wait", WAIT_FLAGS, "wait until every expected node is alive and runs a version or "
@@ -270,13 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if params.version is None:
         parser.error("wait needs --version")
-    try:
-        outcome = wait_for(params.version, catalog=params.catalog, model=params.model, nodes=params.nodes,
-                           expect=params.expect, all_seen_within_s=params.all_seen_within_s,
-                           timeout_s=params.timeout_s, poll_s=params.poll_s, storage=params.storage)
-    except RefitError as exc:
-        print(json.dumps({"error": str(exc)}) if args.json else f"error: {exc}")
-        return 2
+    outcome = wait_for(params.version, catalog=params.catalog, model=params.model, nodes=params.nodes,
+                       expect=params.expect, all_seen_within_s=params.all_seen_within_s,
+                       timeout_s=params.timeout_s, poll_s=params.poll_s, storage=params.storage, check=False)
     if args.json:
         print(json.dumps(outcome.to_json(), sort_keys=True))
     else:

@@ -18,8 +18,9 @@ import time
 from dataclasses import replace
 
 from flows.prefect_api import configured_api_url
+from flows.outcome import retryable_run
 from flows.report import READY, SKIPPED, RefitResult
-from storage.catalog.nodes import DRIFTED, NodeRecord, read_node_records, write_node_record
+from storage.catalog.nodes import DRIFTED, NodeRecord, scan_node_records, write_node_record
 from storage.errors import RefitError
 from storage.objects.store import ObjectStore
 from storage.settings import RefitParams
@@ -71,11 +72,21 @@ def report_node(params: RefitParams, result: RefitResult, installer) -> NodeReco
                         error=result.error, stages={s["name"]: s["seconds"] for s in result.stages},
                         bytes_fetched=next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0),
                         attempts=max(1, len(result.attempts)), updated_at_unix_ms=now, alive_at_unix_ms=now,
-                        heartbeat_s=heartbeat_interval_s, **seen)
+                        heartbeat_s=heartbeat_interval_s, target_version=attempted_version(params, result),
+                        transient=retryable_run(result), **seen)
     with _writing:
         _write(params, record)
     _emit(params, record)
     return record
+
+
+def attempted_version(params: RefitParams, result: RefitResult) -> str | None:
+    """The version this run tried to reach: the end of the lineage it resolved, else the version it was asked
+    for; None for ``latest`` when the run failed before resolving it. A barrier counts a node that failed this
+    version (or a newer one) as having failed the version it waits for (``flows.fleet.wait_for``)."""
+    if result.lineage:
+        return result.lineage[-1]
+    return params.target if params.target != "latest" else None
 
 
 def refresh_node(params: RefitParams, installer, *, busy: bool = False) -> NodeRecord | None:
@@ -97,11 +108,14 @@ def refresh_node(params: RefitParams, installer, *, busy: bool = False) -> NodeR
 def _refresh(params: RefitParams, installer, busy: bool) -> tuple[NodeRecord, str] | None:
     objects = ObjectStore.shared(params.storage)
     try:
-        previous = next((r for r in read_node_records(objects, params.catalog, params.model, only=params.node)[0]
-                         if r.node == params.node), None)
+        scan = scan_node_records(objects, params.catalog, params.model, only=params.node)
     except RefitError as exc:
         log.warning("heartbeat of node %s: could not read its record: %s", params.node, exc)
-        previous = None
+        return None  # a missed beat (storage down): rewriting the record now could drop its last outcome
+    if scan.unreadable:
+        log.warning("heartbeat of node %s: could not read its record: %s", params.node, "; ".join(scan.problems))
+        return None
+    previous = next((r for r in scan.records if r.node == params.node), None)
     now = int(time.time() * 1000)
     if previous is None:
         previous = NodeRecord(node=params.node, model=params.model, version=None, digest=None, status="STARTED",

@@ -139,12 +139,23 @@ def test_a_node_not_seen_alive_is_stale_and_an_expected_node_without_a_record_is
 
 
 def test_a_node_whose_agent_stopped_beating_goes_stale_by_itself(lab, capsys, monkeypatch):
+    import types
+
+    from storage.catalog import nodes
+
     lab.publish("initial")
     monkeypatch.setattr(node_report, "heartbeat_interval_s", 0.3)  # as a node agent sets it
     two_nodes(lab, "r0", "r0")
     code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "5")
     assert (code, waited["reached"]) == (0, ["a", "b"])
-    time.sleep(1.2)  # more than three missed beats: the agents are gone
+    # the readers' clock moves on while nobody writes: one beat plus the grace (max(5 s, half a beat)) and
+    # the records stop counting; three beats, as the old rule had it, are not enough to call a live node dead
+    assert nodes.stale_after_s(0.3) == 5.3 and nodes.stale_after_s(30) == 45.0
+    now = time.time()
+    monkeypatch.setattr(nodes, "time", types.SimpleNamespace(time=lambda: now + 1.2))
+    code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "5")
+    assert (code, waited["reached"], waited["stale"]) == (0, ["a", "b"], [])
+    monkeypatch.setattr(nodes, "time", types.SimpleNamespace(time=lambda: now + nodes.stale_after_s(0.3) + 0.5))
     code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "0.2", "--poll", "0.1")
     assert (code, waited["stale"]) == (1, ["a", "b"])
     capsys.readouterr()

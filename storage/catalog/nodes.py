@@ -8,6 +8,12 @@ node agent also refreshes it every ``heartbeat_s`` while it runs, asking the
 engines what they run, so an idle live node and a dead one never look alike.
 A fleet view lists them (``flows/fleet.py``); the format is in
 docs/format.md, "Node status records".
+
+A node with an agent is ``STALE`` once it was not seen alive for one
+heartbeat plus a grace (``stale_after_s``): the grace covers one beat's own
+work (asking each engine, at most ``OBSERVE_TIMEOUT_S`` = 10 s, then
+reading and rewriting the record), so a live node is never called stale,
+and a dead agent's record stops counting within 1.5 beats (30 s beats: 45 s).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 
 from storage.canonical import canonical_json
-from storage.errors import FormatError
+from storage.errors import FormatError, RefitError
 from storage.objects.store import ObjectStore
 from storage.settings import NODE_PATTERN
 from storage.urls import join_url, parent_url
@@ -29,7 +35,14 @@ MAX_RECORD_BYTES = 1 * 2**20
 
 
 STALE, DRIFTED = "STALE", "DRIFTED"
-STALE_AFTER_BEATS = 3  # a node with a heartbeat is stale once this many beats are missed
+STALE_GRACE_MIN_S = 5.0  # a node with a heartbeat is stale after one beat plus max(this, STALE_GRACE_BEATS beats)
+STALE_GRACE_BEATS = 0.5
+
+
+def stale_after_s(heartbeat_s: float) -> float:
+    """Seconds without a sign of life after which a node beating every ``heartbeat_s`` is stale: one beat plus
+    a grace of ``max(STALE_GRACE_MIN_S, STALE_GRACE_BEATS * heartbeat_s)`` (30 s beats: 45 s; 2 s beats: 7 s)."""
+    return heartbeat_s + max(STALE_GRACE_MIN_S, STALE_GRACE_BEATS * heartbeat_s)
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,8 @@ class NodeRecord:
     engines: dict = field(default_factory=dict)  # engine URL -> the version it reports (None: no answer)
     alive_at_unix_ms: int = 0  # the last sign of life: a run's end or a heartbeat
     heartbeat_s: float | None = None  # how often the node's agent refreshes the record; None: no agent
+    target_version: str | None = None  # the version the last run's target resolved to; None: it never resolved
+    transient: bool = False  # the last run failed on a transient error (storage down): a later run may succeed
     schema: str = SCHEMA
 
     def to_json(self) -> dict:
@@ -64,13 +79,21 @@ class NodeRecord:
         return max(0.0, time.time() - max(self.alive_at_unix_ms, self.updated_at_unix_ms) / 1000)
 
     def stale(self, after_s: float | None = None) -> bool:
-        """Not seen alive within ``after_s`` (default: three heartbeats; a node without an agent never goes
-        stale by default: nothing promised to refresh it)."""
+        """Not seen alive within ``after_s`` (default: one heartbeat plus its grace, ``stale_after_s``; a node
+        without an agent never goes stale by default: nothing promised to refresh it)."""
         if after_s is None:
             if not self.heartbeat_s:
                 return False
-            after_s = STALE_AFTER_BEATS * self.heartbeat_s
+            after_s = stale_after_s(self.heartbeat_s)
         return self.age_s > after_s
+
+    @property
+    def attempted(self) -> str | None:
+        """The version the last run tried to reach: ``target_version``, or for a record written before that
+        field existed, ``target`` when it names a version (not ``latest``)."""
+        if self.target_version is not None:
+            return self.target_version
+        return self.target if self.target not in (None, "latest") else None
 
     def condition(self, stale_after_s: float | None = None) -> str:
         """What a reader acts on: POISONED, STALE (not seen alive), DRIFTED (store and engines disagree), or
@@ -105,9 +128,20 @@ def delete_node_record(objects: ObjectStore, catalog: str, model: str, node: str
     return objects.delete(join_url(nodes_url(catalog, model), f"{node}.json"))
 
 
-def read_node_records(objects: ObjectStore, catalog: str, model: str, *, workers: int | None = None,
-                      only: str | None = None) -> tuple[list[NodeRecord], list[str]]:
-    """Every node's record of ``model`` (sorted by node), and the objects that could not be read, in words.
+@dataclass
+class NodeScan:
+    """One read of a fleet's records: the records, the objects that could not be read (in words), and the
+    nodes whose record exists but could not be read this time (a storage error, or a malformed object)."""
+
+    records: list[NodeRecord]
+    problems: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+
+
+def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers: int | None = None,
+                      only: str | None = None) -> NodeScan:
+    """Every node's record of ``model`` (sorted by node); a record that cannot be read is reported and its node
+    named in ``unreadable``, never fatal. A listing that fails raises its ``StorageError``.
 
     The records are read ``workers`` at a time (default: the object store's connection budget): a fleet of
     a thousand nodes is a thousand small reads, which one at a time would take tens of seconds.
@@ -123,7 +157,7 @@ def read_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
             if record.model != model or f"{record.node}.json" != name:
                 raise ValueError("names another node or model")
             return record
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RefitError) as exc:
             return f"{url}: {exc}"
 
     if only is not None:  # one node's own record: no listing
@@ -137,5 +171,14 @@ def read_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
                                 thread_name_prefix="node-records") as pool:
             outcomes = list(pool.map(read, names))
     records = [o for o in outcomes if isinstance(o, NodeRecord)]
-    problems = [o for o in outcomes if isinstance(o, str)]
-    return sorted(records, key=lambda r: r.node), problems
+    failed = [(name.removesuffix(".json"), o) for name, o in zip(names, outcomes) if isinstance(o, str)]
+    return NodeScan(sorted(records, key=lambda r: r.node), [problem for _, problem in failed],
+                    sorted(name for name, _ in failed))
+
+
+def read_node_records(objects: ObjectStore, catalog: str, model: str, *, workers: int | None = None,
+                      only: str | None = None) -> tuple[list[NodeRecord], list[str]]:
+    """Every node's record of ``model`` (sorted by node), and the objects that could not be read, in words
+    (``scan_node_records``)."""
+    scan = scan_node_records(objects, catalog, model, workers=workers, only=only)
+    return scan.records, scan.problems
