@@ -1,9 +1,18 @@
 """How a refit ended: its status, its final Prefect state, whether it is retried, and what to run next.
 
-Every command a result prints as ``next:`` is built here and works as printed.
+Every command a result prints as ``next:`` is built here and works as
+printed: the command first, then why in parentheses. A refit command names
+the node (``--node``) and every option the run had that differs from its
+default (catalog, model, store, seed, installer and engines, S3 endpoint,
+...), so pasting it on that host changes that node and no other: nothing is
+taken from the host name or the environment of the shell it is pasted in.
+Secrets (the engines' API key, storage credentials) are never printed; they
+come from the environment as they did for the run.
 """
 
 from __future__ import annotations
+
+import shlex
 
 from prefect.states import Cancelled, Completed, Failed, State
 
@@ -34,7 +43,7 @@ def outcome_of(rx: Receiver, error: BaseException) -> str:
 
 
 def next_step(rx: Receiver, status: str, error: BaseException | None) -> str | None:
-    """What the operator does next, as a command that works as printed."""
+    """What the operator does next, as a command that works as printed (then why, in parentheses)."""
     params = rx.params
     if status == POISONED:
         return f"{recover_command(params)}  (re-installs through the installer the node was poisoned with)"
@@ -42,29 +51,71 @@ def next_step(rx: Receiver, status: str, error: BaseException | None) -> str | N
         return next_step_after_interrupt(params)
     if status == READY and not rx.params.activate:
         current = rx.store.current()
-        return (f"python -m flows.refit activate --model {params.model} --cache-dir {params.cache_dir} "
-                f"--version {current.version if current else params.target}")
+        return (f"python -m flows.refit activate --model {_quoted(params.model)} --cache-dir "
+                f"{_quoted(params.cache_dir)} --version {_quoted(current.version if current else params.target)}")
     if status == FAILED and error is not None:
         local = getattr(error, "local_file", None)
         if isinstance(error, RefitError) and getattr(error, "discarded", False):
-            return (f"the local copy {local} was discarded and is downloaded again by the next run; if the "
-                    "published object itself is wrong, restore it (or publish a corrected revision), then run "
-                    f"the refit again: {refit_command(params)}")
-        return f"fix the cause above, then run the refit again: {refit_command(params)}"
+            return (f"{refit_command(params)}  (the local copy {local} was discarded and is downloaded again by "
+                    "this run; if the published object itself is wrong, restore it or publish a corrected "
+                    "revision first)")
+        return f"{refit_command(params)}  (fix the cause above first, then run the refit again)"
     return None
 
 
 def next_step_after_interrupt(params: RefitParams) -> str:
-    return f"run the refit again; the store recovers by itself: {refit_command(params)}"
+    return f"{refit_command(params)}  (run the refit again; the store recovers by itself)"
+
+
+# the options a repeated refit carries when the run had them: (field path, flag); a boolean's flag is given
+# when the run had the value the flag sets. The node, catalog, model, store and target are always given.
+_ALWAYS = (("catalog", "--catalog"), ("model", "--model"), ("node", "--node"), ("cache_dir", "--cache-dir"),
+           ("target", "--target"))
+_WHEN_SET = (("seed_checkpoint", "--seed-checkpoint"), ("initial_version", "--initial-version"),
+             ("installer.kind", "--installer"), ("installer.engine_urls", "--engine-url"),
+             ("storage.endpoint_url", "--s3-endpoint-url"), ("cache_max_gb", "--cache-max-gb"),
+             ("verify", "--verify"), ("only_if_newer", "--only-if-newer"), ("activate", "--no-activate"),
+             ("lock_timeout_s", "--lock-timeout"), ("apply_workers", "--apply-workers"),
+             ("storage.concurrency", "--fetch-workers"), ("retries", "--retries"),
+             ("retry_delay_s", "--retry-delay"), ("stage_retries", "--stage-retries"),
+             ("stage_retry_delay_s", "--stage-retry-delay"))
 
 
 def refit_command(params: RefitParams) -> str:
-    """The CLI command that repeats this refit."""
-    parts = ["python -m flows.refit", f"--catalog {params.catalog}", f"--model {params.model}",
-             f"--cache-dir {params.cache_dir}", f"--target {params.target}"]
-    if params.seed_checkpoint:
-        parts.append(f"--seed-checkpoint {params.seed_checkpoint}")
+    """The CLI command that repeats this refit on this node: its identity and every option it had that is not
+    the default (see the module)."""
+    parts = ["python -m flows.refit"]
+    for path, flag in _ALWAYS:
+        parts.append(f"{flag} {_quoted(_value(params, path))}")
+    for path, flag in _WHEN_SET:
+        value, default = _value(params, path), _default(params, path)
+        if value == default or value is None:
+            continue
+        if isinstance(value, bool):
+            parts.append(flag)
+        elif isinstance(value, (list, tuple)):
+            parts.extend(f"{flag} {_quoted(item)}" for item in value)
+        else:
+            parts.append(f"{flag} {_quoted(value)}")
     return " ".join(parts)
+
+
+def _quoted(value) -> str:
+    return shlex.quote(str(value))
+
+
+def _value(params, path: str):
+    for name in path.split("."):
+        params = getattr(params, name)
+    return params
+
+
+def _default(params, path: str):
+    """The value the field takes when nothing sets it (a default factory's own value: the node's host name,
+    the number of cores)."""
+    *parents, name = path.split(".")
+    owner = _value(params, ".".join(parents)) if parents else params
+    return type(owner).model_fields[name].get_default(call_default_factory=True)
 
 
 def final_state(result: RefitResult) -> State:
