@@ -10,6 +10,7 @@ bucket once, on arrival, and hands out a tensor's plan when all its buckets
 
 from __future__ import annotations
 
+import heapq
 import threading
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -28,6 +29,7 @@ class Arrivals:
         self.stop = stop
         self._cond = threading.Condition()
         self._ready: set[tuple[str, str]] = set()
+        self._log: list[tuple[str, str]] = []  # the arrived files in arrival order (readers keep a cursor)
         self._errors: dict[tuple[str, str], RefitError] = {}
         self._fatal: BaseException | None = None
         self._admitted = False
@@ -53,8 +55,11 @@ class Arrivals:
             self._cond.notify_all()
 
     def arrived(self, version: str, name: str) -> None:
+        key = (version, name)
         with self._cond:
-            self._ready.add((version, name))
+            if key not in self._ready:
+                self._ready.add(key)
+                self._log.append(key)
             self._cond.notify_all()
 
     def failed(self, version: str, name: str, error: RefitError) -> None:
@@ -80,28 +85,30 @@ class Arrivals:
         with self._cond:
             return (version, name) in self._ready
 
-    def first_ready(self, wants: dict[str, list[tuple[str, str]]], pick) -> str | None:
-        """Block until one of ``wants`` (name -> files it needs) has all its files; return ``pick`` of those.
+    def arrived_since(self, cursor: int, needed, missing) -> tuple[list[tuple[str, str]], int]:
+        """Block until files arrived after the first ``cursor``; return them (in arrival order) and the new cursor.
 
-        Raises as soon as a needed file failed, fetching stopped, or waiting was cancelled.
+        O(new arrivals + failed files) per call. ``needed(key)`` says whether a
+        failed file is still wanted (its error is then raised); ``missing()``
+        names a wanted file that is not in, for the error once fetching closed.
+        Raises as soon as a needed file failed, fetching stopped, or waiting
+        was cancelled.
         """
         with self._cond:
             while True:
-                ready = [n for n, keys in wants.items() if all(k in self._ready for k in keys)]
-                if ready:
-                    return pick(ready)
-                for keys in wants.values():
-                    for key in keys:
-                        if key in self._errors:
-                            raise self._errors[key]
+                if len(self._log) > cursor:
+                    return self._log[cursor:], len(self._log)
+                for key, error in self._errors.items():
+                    if needed(key):
+                        raise error
                 if self._fatal is not None:
                     raise self._fatal
                 self._check_stop()
                 if self._cancelled:
                     raise Cancelled("stopped waiting for downloads after another tensor failed")
                 if self._closed:
-                    missing = next(k for keys in wants.values() for k in keys if k not in self._ready)
-                    raise StoreError("the file was not fetched", revision=missing[0], file=missing[1])
+                    key = missing()
+                    raise StoreError("the file was not fetched", revision=key[0], file=key[1])
                 self._cond.wait()
 
     def cancel(self) -> None:
@@ -174,7 +181,23 @@ class ArrivingPlans:
                 self._needs.setdefault(tensor, []).append((i, bucket))
         self._order = sorted(self._needs, key=lambda t: (max(rank[k] for k in self._needs[t]),
                                                          -checkpoint[t].nbytes, t))
-        self._pending = {t: [(self._deltas[i].version, b) for i, b in needs] for t, needs in self._needs.items()}
+        # Bookkeeping of ``take``, O(1) amortized per tensor and file (a heap push/pop per tensor):
+        # which tensors wait for each file, how many of its files each tensor still misses, the ready ones
+        # in a heap by priority (largest first, then the greatest name: as ``max((nbytes, name))``).
+        priority = sorted(self._needs, key=lambda t: (checkpoint[t].nbytes, t), reverse=True)
+        self._priority = {t: p for p, t in enumerate(priority)}
+        self._by_priority = priority
+        self._waiting: dict[tuple[str, str], list[str]] = {}
+        self._missing: dict[str, int] = {}
+        for t, needs in self._needs.items():
+            keys = {(self._deltas[i].version, b) for i, b in needs}
+            self._missing[t] = len(keys)
+            for key in keys:
+                self._waiting.setdefault(key, []).append(t)
+        self._wanted = {key: len(ts) for key, ts in self._waiting.items()}  # untaken tensors needing each file
+        self._ready_heap: list[int] = []
+        self._cursor = 0  # files of ``arrivals`` already counted
+        self._left = len(self._needs)  # tensors not taken yet
         self._take_lock = threading.Lock()
         self._steps: dict[tuple[int, str], dict[str, PatchStep]] = {}
         self._locks: dict[tuple[int, str], threading.Lock] = {k: threading.Lock() for k in rank}
@@ -182,13 +205,30 @@ class ArrivingPlans:
     def names(self) -> list[str]:
         return list(self._order)
 
+    def _absorb(self) -> None:
+        """Wait (under the take lock) until at least one untaken tensor has all its files in."""
+        while not self._ready_heap:
+            keys, self._cursor = self._arrivals.arrived_since(
+                self._cursor, lambda key: self._wanted.get(key, 0) > 0, self._first_missing)
+            for key in keys:
+                for t in self._waiting.pop(key, ()):
+                    self._missing[t] -= 1
+                    if self._missing[t] == 0:
+                        heapq.heappush(self._ready_heap, self._priority[t])
+
+    def _first_missing(self) -> tuple[str, str]:
+        """A file some untaken tensor still waits for (only when fetching ended without it: the error path)."""
+        return next(key for key, ts in self._waiting.items() if self._wanted.get(key, 0) > 0)
+
     def take(self) -> str | None:
         with self._take_lock:  # one taker waits at a time; the others queue here
-            if not self._pending:
+            if not self._left:
                 return None
-            name = self._arrivals.first_ready(
-                self._pending, lambda ready: max(ready, key=lambda t: (self._checkpoint[t].nbytes, t)))
-            del self._pending[name]
+            self._absorb()
+            name = self._by_priority[heapq.heappop(self._ready_heap)]
+            self._left -= 1
+            for i, bucket in self._needs[name]:
+                self._wanted[(self._deltas[i].version, bucket)] -= 1
             return name
 
     def total_bytes(self) -> int:
@@ -210,7 +250,8 @@ class ArrivingPlans:
         validated after patching has begun.
         """
         if self._order:
-            self._arrivals.first_ready(self._pending, lambda ready: ready[0])
+            with self._take_lock:
+                self._absorb()
         for key in self._locks:
             if self._arrivals.has(self._deltas[key[0]].version, key[1]):
                 self._bucket(key)
