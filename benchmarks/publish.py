@@ -2,6 +2,7 @@
 
     python -m benchmarks.publish                       # 256 MiB model, 2 % RL steps, ranks 1,2,4
     python -m benchmarks.publish --size-mb 1024 --ranks 1,2 --steps 3
+    python -m benchmarks.publish --shape deepseek-v3 --tensors-scale 0.087,1   # per tensor, real layouts
 
 Part one, in this process: a bf16 transformer-shaped model (``benchmarks._model``)
 and RL steps of ``--share`` changed elements (``flows.synthetic.RLTrainer``)
@@ -41,6 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._bench import ROOT, bench_main
+from flows.synthetic import SHAPES
 from testbed.processes import machine
 
 SCHEMA = "canonical-refit.benchmark.publish.v1"
@@ -70,6 +72,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rank-threads", type=int, default=1, help="encoding threads of each rank")
     p.add_argument("--json", type=Path, help="where to write the result (default benchmarks/results/publish-*.json)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
+    p.add_argument("--shape", choices=SHAPES,
+                   help="instead of the three parts: a checkpoint with a real model's layout (tensor names, dtypes "
+                        "and count; tiny tensors) published step by step; prints microseconds per tensor per "
+                        "stage and the goal (benchmarks/_shapes.py)")
+    p.add_argument("--tensors-scale", default="1", metavar="S[,S...]",
+                   help="with --shape: shares of the shape's full tensor count, each measured")
+    p.add_argument("--small", action="store_true", help="with --shape: the suite's small mode (--tensors-scale 0.01)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one rank of part two
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -325,6 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--child" in argv:
         return child(parse_args(argv))
+    args = parse_args(argv)
+    if args.shape:
+        from benchmarks import _shapes
+
+        try:
+            scales = [0.01] if args.small else _shapes.parse_scales(args.tensors_scale)
+        except ValueError as exc:
+            raise SystemExit(f"python -m benchmarks.publish: {exc}")
+        return _shapes.main(name="publish", shape=args.shape, scales=scales, workers=args.threads, parts=(),
+                            json_path=args.json, keep=args.keep)
     return bench_main("publish", argv, parse_args, run, table, log)
 
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.refit                      # ~1 GB model, the RL sweep and every refit
     python -m benchmarks.refit --quick              # 64 MB, a smaller sweep, no Prefect (about a minute)
+    python -m benchmarks.refit --shape deepseek-v3 --tensors-scale 0.087,0.35,1   # 8k/32k/92k tensors
 
 Builds, in a temporary folder, a transformer-shaped bf16 model whose revisions
 are optimizer steps on fp32 master weights exported to bf16
@@ -40,7 +41,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import _render, _report
+from benchmarks import _render, _report, _shapes
 from benchmarks._baseline import fetch_revision
 from benchmarks._jobs import Jobs
 from benchmarks._meter import load_average
@@ -49,6 +50,7 @@ from benchmarks._model import build, parse_share, share_label, sweep_steps
 from benchmarks._rates import (apply_in_place, apply_sweep, decode_rates, decode_threads, kernel_rates,
                                publish_rates, sweep_manifest, xor_reference)
 from benchmarks._scratch import DiskMeter, clone_store
+from flows.synthetic import SHAPES
 from storage.format.checkpoint import CheckpointIndex
 from testbed import throttle
 from testbed.prefect_server import PrefectServer
@@ -116,12 +118,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--no-plot", action="store_true", help="do not draw the PNG")
     add("--child-timeout", type=float, default=1800, help="seconds before a measured child process is killed")
     add("--keep", action="store_true", help="keep the temporary folder (its path is printed)")
+    add("--shape", choices=SHAPES, help="instead of the 1 GB sweep: a checkpoint with a real model's layout (tensor "
+        "names, dtypes and count; tiny tensors), published and refitted; prints microseconds per tensor per stage, "
+        "the refit's RssAnon per tensor of index and the goals (benchmarks/_shapes.py)")
+    add("--tensors-scale", default="1", metavar="S[,S...]",
+        help="with --shape: shares of the shape's full tensor count, each measured (e.g. 0.087,0.35,1 for "
+             "deepseek-v3's 8k, 32k and 92k tensors)")
+    add("--small", action="store_true", help="with --shape: the suite's small mode (--tensors-scale 0.01)")
     args = p.parse_args(argv)
     if args.quick:
         given = {a.split("=")[0] for a in argv if a.startswith("--")}
         for key, value in QUICK.items():
             if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
+    if args.shape:
+        try:
+            args.scales = [0.01] if args.small else _shapes.parse_scales(args.tensors_scale)
+        except ValueError as exc:
+            p.error(str(exc))
     args.thread_list = sorted({int(t) for t in args.threads.split(",") if t.strip()})
     if not args.thread_list or min(args.thread_list) < 1:
         p.error("--threads needs positive integers")
@@ -339,6 +353,9 @@ class Bench:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.shape:
+        return _shapes.main(name="refit", shape=args.shape, scales=args.scales, workers=args.apply_workers,
+                            parts=("refit",), json_path=args.json, keep=args.keep, timeout=args.child_timeout)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.json or RESULTS / f"refit-{stamp}.json"
     root = Path(tempfile.mkdtemp(prefix="canonical-refit-bench-", dir=args.workdir))
