@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storage.catalog.records import Revision
-from storage.errors import LineageError
+from storage.errors import LineageError, RefitError
 from tasks.installers.base import engine_reports
 from tasks.receiver import Receiver
 from tasks.stage import Stage
@@ -51,8 +51,9 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
     another digest or layout, or a local checkpoint that is not the catalog's.
     """
     params = rx.params
-    if params.target == "latest" and params.only_if_newer and not rx.catalog.list():
+    if params.target == "latest" and params.only_if_newer and rx.catalog.head() is None:
         reason = f"the catalog {rx.catalog.url} has no revisions of {params.model} yet; nothing to do"
+        _note_quarantined(rx)
         rx.ledger.note(reason)
         return ReplayPlan(None, None, (), False, skip=reason)
     initial = rx.catalog.initial(params.initial_version)
@@ -72,6 +73,7 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
                 reason = (f"{target.version} (sequence {target.sequence}) is not newer than the installed "
                           f"{installed.version} (sequence {installed.sequence}), which every engine runs; "
                           "nothing to do")
+                _note_quarantined(rx)
                 rx.ledger.note(reason)
                 return ReplayPlan(target, initial, (target,), True, skip=reason)
             rx.ledger.note(f"{installed.version} is recorded as installed, but {drift}: installing it again")
@@ -85,9 +87,19 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
             revision=target.version, file=rx.catalog.record_url(root.version), field="base_version",
         )
     rx.ledger.lineage = [r.version for r in lineage]
+    if params.target != "latest":  # a few requests: reports an unusable newest record a rollback went past
+        try:
+            rx.catalog.head()
+        except RefitError as exc:
+            rx.ledger.note(f"the catalog's latest revision could not be found: {exc}")
+    _note_quarantined(rx)
+    return ReplayPlan(target, initial, tuple(lineage), root.version in local)
+
+
+def _note_quarantined(rx: Receiver) -> None:
+    """Each unusable catalog object this run met, in the run's notes (its result and artifacts)."""
     for version, error in sorted(rx.catalog.quarantined.items()):
         rx.ledger.note(f"catalog record {version} is malformed and was skipped (it is not on this lineage): {error}")
-    return ReplayPlan(target, initial, tuple(lineage), root.version in local)
 
 
 def installed_drift(rx: Receiver, active) -> str | None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from storage.catalog.records import Catalog
-from storage.errors import CatalogError
+from storage.catalog.records import Catalog, quarantinable
+from storage.errors import RefitError
 from storage.objects.store import ObjectStore
 from storage.urls import join_url
 
@@ -37,8 +37,10 @@ def referenced_folders(catalog: Catalog) -> set[str]:
     for version in catalog.versions():
         try:
             record = catalog.read(version)
-        except CatalogError:
-            continue  # a quarantined record references nothing a receiver would use
+        except RefitError as exc:
+            if not quarantinable(exc):
+                raise
+            continue  # an unusable (quarantined) record references nothing a receiver would use
         if record.uri:
             folders.add(record.uri.rsplit("/", 1)[0])
     return folders

@@ -353,12 +353,17 @@ def make_record(model: str, version: str, sequence: int, payload_format: str, sn
 
 
 def next_sequence(catalog: Catalog) -> tuple[int, Revision | None]:
-    """The sequence a new revision gets (one above the latest) and the latest record."""
-    versions = catalog.versions()
-    if not versions:
+    """The sequence a new revision gets (one above the newest claim or record) and the latest record.
+
+    Costs the same at any catalog length (``Catalog.head``: the head hint, a
+    probe of the claims above it and one record); a head hint found wrong is
+    rewritten here, by the publisher.
+    """
+    latest = catalog.head(repair_hint=True)
+    top = catalog.top_claim
+    if latest is None and top is None:
         return 0, None
-    latest = catalog.latest()
-    return latest.sequence + 1, latest
+    return max(latest.sequence if latest is not None else -1, top if top is not None else -1) + 1, latest
 
 
 def same_publication(existing: Revision, record: Revision) -> bool:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, Mapping
@@ -15,7 +17,8 @@ from storage.canonical import canonical_json, unique_keys
 from storage.format.digests import DIGEST_PATTERN
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import (
-    CatalogError, ImmutableConflict, InvalidURI, LineageError, ObjectNotFound, PermanentStorageError, RefitError,
+    Cancelled, CatalogError, ImmutableConflict, Interrupted, InvalidURI, LineageError, ObjectNotFound,
+    PermanentStorageError, RefitError, StorageError,
 )
 from storage.objects.store import ObjectStore
 from storage.urls import join_url, normalize_url
@@ -26,6 +29,11 @@ log = logging.getLogger("canonical_refit.catalog")
 SCHEMA = "canonical-refit.revision.v1"
 MAX_RECORD_BYTES = 1 * 2**20
 MAX_CHAIN = 100_000
+CLAIMS = "sequences"  # {catalog}/sequences/{n:012d}.json: create-only sequence claims (docs/format.md, 4.7)
+HEAD_HINT = "hints/head.json"  # {catalog}/hints/head.json: where the newest record probably is (4.9)
+HEAD_SCHEMA = "canonical-refit.catalog-head.v1"
+MAX_HINT_BYTES = 4096
+MAX_SEQUENCE = 10**12 - 1  # claims are named with 12 digits
 _VERSION_RE = re.compile(VERSION_PATTERN)
 
 
@@ -132,8 +140,35 @@ def parse_revision(raw: bytes | str | dict, *, version: str | None, model: str |
     return record
 
 
+def quarantinable(exc: BaseException) -> bool:
+    """True for an error about a catalog object itself (unreadable, unparsable, invalid, refused): the object is
+    skipped and quarantined. A transient storage error, a stop request or a non-``Exception`` (Ctrl-C)
+    propagates: they say nothing about the object."""
+    if isinstance(exc, (Cancelled, Interrupted)):
+        return False
+    if isinstance(exc, RefitError):
+        return not exc.transient
+    return isinstance(exc, Exception)
+
+
+def _unusable(exc: BaseException, revision: str | None, url: str) -> CatalogError:
+    """Any error met reading or parsing an object (RecursionError, MemoryError, UnicodeError, OSError...) as a
+    ``CatalogError`` naming the object."""
+    detail = str(exc)[:200] or type(exc).__name__
+    return CatalogError(f"catalog object cannot be read or parsed ({type(exc).__name__}: {detail})",
+                        revision=revision, file=url)
+
+
 class Catalog:
-    """Read and write the revision records of one model under one catalog URL."""
+    """Read and write the revision records of one model under one catalog URL.
+
+    ``latest`` and the launch revision are found without listing the catalog
+    (docs/format.md, 4.9): the sequence claims are a dense, create-only
+    namespace, so the newest claim is found by probing claims upward from the
+    head hint (or this node's memo), and only its record is read. Hints are
+    checked against the claims and records, never trusted; a catalog without
+    claims (written by an older publisher) is listed as before.
+    """
 
     def __init__(self, store: ObjectStore, url: str, model: str, *, cache_dir: Path | None = None):
         self.store = store
@@ -141,31 +176,66 @@ class Catalog:
         self.model = model
         self.cache_dir = cache_dir
         self._records: dict[str, Revision] = {}
-        self.quarantined: dict[str, RefitError] = {}  # malformed records met by ``list``
+        self.quarantined: dict[str, RefitError] = {}  # unusable records met while resolving or listing
+        self._claims: dict[int, tuple[str | None, str | None]] = {}  # claims seen: sequence -> (version, token)
+        self._hint: int | None = None  # the head hint's sequence when it was last read
+        self.top_claim: int | None = None  # the highest claimed sequence found by the last ``head``
 
     def record_url(self, version: str) -> str:
         if not _VERSION_RE.match(version):
             raise CatalogError("invalid version id", revision=version, field="version")
         return join_url(self.url, f"{version}.json")
 
+    def claim_url(self, sequence: int) -> str:
+        return join_url(self.url, f"{CLAIMS}/{sequence:012d}.json")
+
+    @property
+    def head_hint_url(self) -> str:
+        return join_url(self.url, HEAD_HINT)
+
     def read(self, version: str) -> Revision:
-        """One record (memoised: records are immutable)."""
+        """One record (memoised: records are immutable). Whatever is wrong with the object, the error is a
+        ``CatalogError`` (or a storage error) naming it."""
         if version in self._records:
             return self._records[version]
         url = self.record_url(version)
-        record = self._read_cached(version, url)
+        try:
+            record = self._read_cached(version, url)
+        except Exception:  # a damaged memo is a missing one
+            record = None
         if record is None:
+            raw = self._fetch(url, MAX_RECORD_BYTES, revision=version)
             try:
-                raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
-            except RefitError as exc:  # e.g. an oversized record: name the revision too
-                raise exc.with_context(revision=version)
-            record = parse_revision(raw, version=version, model=self.model, file=url)
+                raw.decode("utf-8")  # UTF-8 only: json would sniff UTF-16/32 and accept them
+                record = parse_revision(raw, version=version, model=self.model, file=url)
+            except RefitError:
+                raise
+            except Exception as exc:  # RecursionError, MemoryError, UnicodeError...: the object's fault
+                raise _unusable(exc, version, url) from None
             self._write_cached(version, url, record)
         self._records[version] = record
         return record
 
+    def _fetch(self, url: str, max_size: int, *, revision: str | None = None) -> bytes:
+        """An object's bytes. On a local filesystem only a regular file is opened (a FIFO would block)."""
+        try:
+            fs, path = self.store.locate(url)
+            if ObjectStore.is_local(fs):
+                try:
+                    mode = os.stat(path).st_mode
+                except FileNotFoundError:
+                    raise ObjectNotFound("no such object", file=url) from None
+                if not stat.S_ISREG(mode):
+                    raise CatalogError("not a regular file (a FIFO, device, socket or folder): refused unread",
+                                       revision=revision, file=url)
+            return self.store.read_bytes(url, max_size=max_size)
+        except RefitError as exc:  # e.g. an oversized record: name the revision too
+            raise exc.with_context(revision=revision)
+        except Exception as exc:
+            raise _unusable(exc, revision, url) from None
+
     def versions(self) -> list[str]:
-        """Version ids of every record in the catalog."""
+        """Version ids of every record in the catalog (one listing; nothing is read)."""
         names = self.store.list_names(self.url, ".json")
         versions = []
         for name in names:
@@ -177,18 +247,22 @@ class Catalog:
         return versions
 
     def list(self) -> list[Revision]:
-        """Every valid record, sorted by sequence; malformed ones are quarantined (``self.quarantined``).
+        """Every valid record, sorted by sequence; unusable ones are quarantined (``self.quarantined``).
 
-        A record that breaks the rules is logged, kept in ``quarantined`` (its
-        URL and the error) and left out: it blocks only refits whose lineage
-        passes through it, never the others.
+        Reads every record (each once per node, with a memo): only for what
+        needs them all (a catalog without claims, an error message, orphans).
+        A record that cannot be read, parsed or validated, whatever the
+        error, is logged, kept in ``quarantined`` (its URL and the error) and
+        left out: it blocks only refits whose lineage passes through it.
         """
         versions = self.versions()
 
         def read(version: str) -> Revision | RefitError:
             try:
                 return self.read(version)
-            except (CatalogError, PermanentStorageError) as exc:  # malformed, oversized, gone since listed
+            except RefitError as exc:  # malformed, oversized, not a file, gone since listed
+                if not quarantinable(exc):
+                    raise
                 return exc
 
         with ThreadPoolExecutor(max_workers=self.store.settings.concurrency) as pool:
@@ -196,18 +270,73 @@ class Catalog:
         records = []
         for version, outcome in zip(versions, outcomes):
             if isinstance(outcome, RefitError):
-                if version not in self.quarantined:
-                    log.warning("quarantined catalog record %s: %s", self.record_url(version), outcome)
-                self.quarantined[version] = outcome
+                self._quarantine(version, outcome)
             else:
                 records.append(outcome)
         return sorted(records, key=lambda r: (r.sequence, r.version))
 
+    def _quarantine(self, version: str, error: RefitError) -> None:
+        if version not in self.quarantined:
+            log.warning("quarantined catalog record %s: %s", join_url(self.url, f"{version}.json"), error)
+        self.quarantined[version] = error
+
     def latest(self) -> Revision:
-        """The valid record with the highest sequence (malformed records are skipped, with a warning)."""
+        """The valid record with the highest sequence (unusable records are skipped, with a warning)."""
+        record = self.head()
+        if record is None:
+            raise self._empty()
+        return record
+
+    def head(self, *, repair_hint: bool = False) -> Revision | None:
+        """The newest valid record, or None if the catalog holds none; O(1) requests for a catalog with claims.
+
+        Finds the highest claimed sequence (``_top``), then walks down the
+        claims to the first whose record exists and is valid: a claim whose
+        record never came (a crashed publication) is skipped, an unusable
+        record quarantined. A catalog without claims is listed. With
+        ``repair_hint`` (publishers only: receivers never write to the
+        catalog) a head hint that does not name the result is rewritten.
+        """
+        top = self._top()
+        self.top_claim = top
+        if top is None:
+            return self._listed_head()
+        for sequence in range(top, -1, -1):
+            exists, holder = self._claim(sequence)
+            if not exists:  # below the claimed range: records written before claims existed
+                return self._listed_head()
+            if holder is None:
+                continue
+            record = self._usable(holder)
+            if record is None:
+                continue
+            if record.sequence != sequence:
+                log.warning("catalog record %s has sequence %d, but claim %s names it: skipped",
+                            self.record_url(holder), record.sequence, self.claim_url(sequence))
+                continue
+            if repair_hint and self._hint != record.sequence:
+                self._put_hint(record)
+            self._memo_top_write(top)
+            return record
+        return self._listed_head()  # every claim is a crashed publication's: the records say
+
+    def _usable(self, version: str) -> Revision | None:
+        """The record of ``version``, or None if it does not exist (yet) or is unusable (then quarantined)."""
+        try:
+            return self.read(version)
+        except ObjectNotFound:
+            return None
+        except RefitError as exc:
+            if not quarantinable(exc):
+                raise
+            self._quarantine(version, exc)
+            return None
+
+    def _listed_head(self) -> Revision | None:
+        """``latest`` by listing and reading every record (a catalog without claims)."""
         records = self.list()
         if not records:
-            raise self._empty()
+            return None
         top = records[-1]
         tied = [r.version for r in records if r.sequence == top.sequence]
         if len(tied) > 1:
@@ -216,11 +345,121 @@ class Catalog:
                                file=self.url, field="sequence")
         return top
 
+    # -- finding the newest claim -----------------------------------------------------------------
+
+    def _top(self) -> int | None:
+        """The highest claimed sequence, or None if there is no claim at all.
+
+        Claims are dense from the first one up (each publisher claims the
+        first free sequence above the newest claim), so existence is
+        monotone: start from a claim known to exist (this instance's last
+        answer, the head hint once its claim is seen, or the node's memo),
+        gallop upward to a missing one and bisect. With a right hint that is
+        one probe; a wrong one costs O(log N) probes and is corrected.
+        """
+        lo: int | None = self.top_claim
+        hi: int | None = None
+        if lo is None:
+            hint, memo = self._read_hint(), self._memo_top()
+            if hint is not None and (memo is None or hint > memo):
+                if self._claim_exists(hint):
+                    lo = hint
+                else:
+                    hi = hint
+            if lo is None and memo is not None and (hi is None or memo < hi):
+                lo = memo
+            if lo is None:
+                if hi == 0 or not self._claim_exists(0):
+                    return None
+                lo = 0
+        if hi is None:
+            step = 1
+            while True:
+                probe = min(lo + step, MAX_SEQUENCE + 1)
+                if probe > MAX_SEQUENCE or not self._claim_exists(probe):
+                    hi = probe
+                    break
+                lo, step = probe, step * 2
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._claim_exists(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _claim_exists(self, sequence: int) -> bool:
+        if sequence in self._claims or self._claim_memo(sequence) is not None:
+            return True
+        return self.store.exists(self.claim_url(sequence))
+
+    def _claim(self, sequence: int) -> tuple[bool, str | None]:
+        """(whether claim ``sequence`` exists, the version it names or None if unusable)."""
+        if sequence not in self._claims:
+            memo = self._claim_memo(sequence)
+            if memo is None:
+                url = self.claim_url(sequence)
+                try:
+                    raw = self._fetch(url, MAX_RECORD_BYTES)
+                except ObjectNotFound:
+                    return False, None
+                except RefitError as exc:
+                    if not quarantinable(exc):
+                        raise
+                    log.warning("ignoring sequence claim %s: %s", url, exc)
+                    return True, None
+                memo = _claim_fields(raw, self.model, sequence)
+                if memo is None:
+                    log.warning("ignoring sequence claim %s: not a claim of %s for sequence %d", url, self.model,
+                                sequence)
+                    return True, None
+                self._claim_memo_write(sequence, memo)
+            self._claims[sequence] = memo
+        return True, self._claims[sequence][0]
+
+    def _read_hint(self) -> int | None:
+        """The head hint's sequence, or None if there is none or it is unusable (then only a hint is lost)."""
+        url = self.head_hint_url
+        self._hint = None
+        try:
+            found = json.loads(self._fetch(url, MAX_HINT_BYTES).decode("utf-8"))
+        except ObjectNotFound:
+            return None
+        except RefitError as exc:
+            if not quarantinable(exc):
+                raise
+            log.warning("ignoring the catalog's head hint %s: %s", url, exc)
+            return None
+        except Exception as exc:
+            log.warning("ignoring the catalog's head hint %s: %s", url, _unusable(exc, None, url))
+            return None
+        sequence = found.get("sequence") if isinstance(found, dict) else None
+        if (not isinstance(found, dict) or found.get("model") != self.model or type(sequence) is not int
+                or not 0 <= sequence <= MAX_SEQUENCE):
+            log.warning("ignoring the catalog's head hint %s: not a head hint of %s", url, self.model)
+            return None
+        self._hint = sequence
+        return sequence
+
+    def _put_hint(self, record: Revision) -> None:
+        """Point the head hint at ``record`` (best effort: the hint only saves readers probes)."""
+        body = canonical_json({"schema": HEAD_SCHEMA, "model": self.model, "sequence": record.sequence,
+                               "version": record.version})
+        try:
+            self.store.put_replace(self.head_hint_url, body)
+            self._hint = record.sequence
+        except (StorageError, OSError) as exc:
+            log.warning("could not update the catalog's head hint %s (readers find the newest record without "
+                        "it): %s", self.head_hint_url, exc)
+
     def initial(self, version: str | None = None) -> Revision:
-        """Revision 0: ``version`` if given, else the one valid record with sequence 0."""
+        """Revision 0: ``version`` if given, else the record sequence 0's claim names (or, in a catalog without
+        claims, the one valid record with sequence 0)."""
         if version is not None:
             record = self.read(version)
         else:
+            record = self._claimed_initial()
+        if record is None:
             records = self.list()
             if not records:
                 raise self._empty()
@@ -237,6 +476,13 @@ class Catalog:
             raise CatalogError("the launch revision must be a metadata_only record with sequence 0",
                                revision=record.version, file=self.record_url(record.version), field="payload_format")
         return record
+
+    def _claimed_initial(self) -> Revision | None:
+        exists, holder = self._claim(0)
+        if not exists or holder is None:
+            return None
+        record = self._usable(holder)
+        return record if record is not None and record.sequence == 0 else None
 
     def resolve(self, target: str) -> Revision:
         """The record of ``target`` ('latest' or a version), with a message that helps when it is missing."""
@@ -339,12 +585,15 @@ class Catalog:
             return holder, token
 
     def write(self, record: Revision) -> bool:
-        """Publish ``record`` create-only; False if the identical record already existed."""
+        """Publish ``record`` create-only; False if the identical record already existed. A new record then
+        becomes the head hint."""
         if record.model != self.model:
             raise CatalogError(f"record belongs to model {record.model!r}, not {self.model!r}",
                                revision=record.version, field="model")
         written = self.store.put_immutable(self.record_url(record.version), canonical_json(record.to_json()))
         self._records[record.version] = record
+        if written:
+            self._put_hint(record)
         return written
 
     # -- local memo of immutable records ------------------------------------------------------
@@ -367,3 +616,60 @@ class Catalog:
         if self.cache_dir is not None:
             atomic_write_json(self.cache_dir / f"{version}.json", {"url": url, "record": record.to_json()},
                               durable=False)
+
+    # -- local memo of claims and of the newest claim seen (hints: checked against the catalog) ----------
+
+    def _claim_memo(self, sequence: int) -> tuple[str | None, str | None] | None:
+        if self.cache_dir is None:
+            return None
+        try:
+            cached = read_json_file(self.cache_dir / CLAIMS / f"{sequence:012d}.json")
+        except Exception:  # torn (written without fsync) or damaged: just missing
+            return None
+        if (not isinstance(cached, dict) or cached.get("url") != self.claim_url(sequence)
+                or not isinstance(cached.get("version"), str)):
+            return None
+        token = cached.get("publication")
+        return cached["version"], token if isinstance(token, str) else None
+
+    def _claim_memo_write(self, sequence: int, claim: tuple[str | None, str | None]) -> None:
+        if self.cache_dir is not None and claim[0] is not None:
+            atomic_write_json(self.cache_dir / CLAIMS / f"{sequence:012d}.json",
+                              {"url": self.claim_url(sequence), "version": claim[0], "publication": claim[1]},
+                              durable=False)
+
+    def _memo_top(self) -> int | None:
+        """The highest claim this node saw in this catalog (its claim memo holds it), or None."""
+        if self.cache_dir is None:
+            return None
+        try:
+            cached = read_json_file(self.cache_dir / HEAD_HINT)
+        except Exception:
+            return None
+        if not isinstance(cached, dict) or cached.get("url") != self.url:
+            return None
+        sequence = cached.get("sequence")
+        if type(sequence) is not int or not 0 <= sequence <= MAX_SEQUENCE or self._claim_memo(sequence) is None:
+            return None
+        return sequence
+
+    def _memo_top_write(self, sequence: int) -> None:
+        if self.cache_dir is None or self._claim_memo(sequence) is None or self._memo_top() == sequence:
+            return
+        atomic_write_json(self.cache_dir / HEAD_HINT, {"url": self.url, "sequence": sequence}, durable=False)
+
+
+def _claim_fields(raw: bytes, model: str, sequence: int) -> tuple[str, str | None] | None:
+    """(version, publication token) of a claim object, or None if it is not a usable claim of ``sequence``."""
+    try:
+        found = json.loads(raw.decode("utf-8"))
+    except Exception:
+        return None
+    if not isinstance(found, dict):
+        return None
+    version, token = found.get("version"), found.get("publication")
+    if not isinstance(version, str) or not _VERSION_RE.match(version) or not isinstance(token, (str, type(None))):
+        return None
+    if found.get("sequence", sequence) != sequence or found.get("model", model) != model:
+        return None
+    return version, token
