@@ -109,9 +109,14 @@ class ServerRecord:
 
 
 def read_record(folder: Path) -> ServerRecord | None:
+    from storage import bounded_json  # here, not at the top: a command asks for its server before importing
+    from storage.errors import FormatError
+
+    path = folder / RECORD
     try:
-        return ServerRecord(**json.loads((folder / RECORD).read_text()))
-    except (OSError, ValueError, TypeError):
+        raw = bounded_json.read_bounded(path, bounded_json.RECORD, local_file=str(path))
+        return ServerRecord(**bounded_json.load_json(raw, bounded_json.RECORD, expect=dict, local_file=str(path)))
+    except (FormatError, TypeError):
         return None
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import uuid
@@ -11,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from storage.bounded_json import STORE_RECORD, load_json, read_bounded
 from storage.canonical import canonical_json
+from storage.errors import StoreRecordError
 
 COPY_CHUNK = 64 * 2**20
 TEMP_SUFFIXES = (".tmp",)
@@ -129,12 +130,10 @@ def create_only_write(path: Path, write: Callable) -> bool:
 
 
 def read_json_file(path: Path):
-    """Parsed JSON of a local file, or None if it does not exist."""
-    try:
-        with open(path, "rb") as fh:
-            return json.loads(fh.read())
-    except FileNotFoundError:
-        return None
+    """Parsed JSON of a local file, or None if it does not exist; ``StoreRecordError`` (a ``ValueError`` too)
+    naming the file if it is not a regular file or not bounded strict JSON (storage.bounded_json.STORE_RECORD)."""
+    raw = read_bounded(path, STORE_RECORD, error=StoreRecordError, missing_ok=True, local_file=str(path))
+    return None if raw is None else load_json(raw, STORE_RECORD, error=StoreRecordError, local_file=str(path))
 
 
 def file_identity(path: Path) -> list[int]:

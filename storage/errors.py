@@ -172,6 +172,11 @@ class StoreError(RefitError):
     """The local checkpoint store cannot do what was asked."""
 
 
+class StoreRecordError(StoreError, ValueError):
+    """A file of the store is not a bounded, strict JSON document (torn, hostile or too big); also a
+    ``ValueError``, so a reader that treats a torn memo as missing keeps doing so."""
+
+
 class CapacityError(StoreError):
     """The cache quota cannot make room without evicting protected data."""
 

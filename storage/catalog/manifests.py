@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Mapping
 
 from storage.catalog.records import Revision
 from storage.format.checkpoint import check_shard_name
-from storage.canonical import unique_keys
+from storage.bounded_json import INDEX, load_json
 from storage.format.digests import CHECKSUM_FORMATS
 from storage.errors import FormatError, ManifestError
 from storage.urls import join_url, parent_url
 
-MAX_INDEX_BYTES = 64 * 2**20
+MAX_INDEX_BYTES = INDEX.max_bytes  # 64 MiB; depth and element bounds: storage.bounded_json.INDEX
 DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.format.gaps
 DELTA_INDEX_FILE = "delta.safetensors.index.json"
 
@@ -50,16 +49,7 @@ class Manifest:
 
 
 def _load(raw: bytes, revision: Revision, uri: str) -> dict:
-    if len(raw) > MAX_INDEX_BYTES:
-        raise ManifestError(f"index is {len(raw)} bytes, more than {MAX_INDEX_BYTES}", revision=revision.version, file=uri)
-    try:
-        value = json.loads(raw, object_pairs_hook=unique_keys)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ManifestError(f"index is not valid JSON ({exc})", revision=revision.version, file=uri) from None
-    if not isinstance(value, dict):
-        raise ManifestError(f"index is a JSON {type(value).__name__}, not an object",
-                            revision=revision.version, file=uri)
-    return value
+    return load_json(raw, INDEX, error=ManifestError, expect=dict, revision=revision.version, file=uri)
 
 
 def _weight_map(value: dict, revision: Revision, uri: str, *, allow_empty: bool) -> dict[str, str]:

@@ -18,12 +18,12 @@ and a dead agent's record stops counting within 1.5 beats (30 s beats: 45 s).
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 
+from storage.bounded_json import RECORD, load_json
 from storage.canonical import canonical_json
 from storage.errors import FormatError, RefitError
 from storage.objects.store import ObjectStore
@@ -152,7 +152,7 @@ def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
     def read(name: str) -> NodeRecord | str:
         url = join_url(base, name)
         try:
-            raw = json.loads(objects.read_bytes(url, max_size=MAX_RECORD_BYTES))
+            raw = load_json(objects.read_bytes(url, max_size=MAX_RECORD_BYTES), RECORD, expect=dict, file=url)
             record = NodeRecord(**{k: v for k, v in raw.items() if k in fieldnames})
             if record.model != model or f"{record.node}.json" != name:
                 raise ValueError("names another node or model")

@@ -18,9 +18,9 @@ parts and objects that no record references.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 
+from storage.bounded_json import PART, RECORD, load_json
 from storage.canonical import canonical_json
 from storage.errors import CatalogError, ObjectNotFound
 from storage.format.digests import format_digest, snapshot_digest
@@ -29,7 +29,7 @@ from storage.urls import join_url
 
 PLAN_SCHEMA = "canonical-refit.publication-plan.v1"
 PART_SCHEMA = "canonical-refit.publication-part.v1"
-MAX_PART_BYTES = 64 * 2**20
+MAX_PART_BYTES = PART.max_bytes  # 64 MiB; a plan is a RECORD (1 MiB): storage.bounded_json
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,10 @@ def read_plan(objects: ObjectStore, catalog_url: str, publication: str) -> Publi
     """The plan of ``publication``, or None while rank 0 has not written it."""
     url = join_url(publication_url(catalog_url, publication), "plan.json")
     try:
-        raw = json.loads(objects.read_bytes(url, max_size=MAX_PART_BYTES))
+        data = objects.read_bytes(url, max_size=RECORD.max_bytes)
     except ObjectNotFound:
         return None
-    except ValueError as exc:
-        raise CatalogError(f"the publication plan is not JSON: {exc}", file=url) from None
+    raw = load_json(data, RECORD, error=CatalogError, expect=dict, file=url)
     try:
         plan = PublicationPlan(**raw)
     except TypeError as exc:
@@ -109,9 +108,11 @@ def read_parts(objects: ObjectStore, catalog_url: str, plan: PublicationPlan) ->
         if not name.startswith("part-"):
             continue
         url = join_url(base, name)
+        raw = load_json(objects.read_bytes(url, max_size=MAX_PART_BYTES), PART, error=CatalogError, expect=dict,
+                        revision=plan.version, file=url)
         try:
-            part = PublicationPart(**json.loads(objects.read_bytes(url, max_size=MAX_PART_BYTES)))
-        except (ValueError, TypeError) as exc:
+            part = PublicationPart(**raw)
+        except TypeError as exc:
             raise CatalogError(f"a publication part is malformed: {exc}", revision=plan.version, file=url) from None
         if part.schema != PART_SCHEMA or name != part_name(part.rank) or not 0 <= part.rank < plan.world_size:
             raise CatalogError("a publication part names another rank or schema", revision=plan.version, file=url)

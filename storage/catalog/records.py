@@ -13,7 +13,8 @@ from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.canonical import canonical_json, unique_keys
+from storage.bounded_json import RECORD, load_json
+from storage.canonical import canonical_json
 from storage.format.digests import DIGEST_PATTERN
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import (
@@ -114,10 +115,7 @@ class _FieldRule(ValueError):
 def parse_revision(raw: bytes | str | dict, *, version: str | None, model: str | None, file: str) -> Revision:
     """Validate one record; errors name the revision, the file and the field."""
     if not isinstance(raw, dict):
-        try:
-            raw = json.loads(raw, object_pairs_hook=unique_keys)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CatalogError(f"record is not valid JSON ({exc})", revision=version, file=file) from None
+        raw = load_json(raw, RECORD, error=CatalogError, expect=dict, revision=version, file=file)
     if not isinstance(raw, dict):
         raise CatalogError(f"record is a JSON {type(raw).__name__}, not an object", revision=version, file=file)
     try:
@@ -576,9 +574,9 @@ class Catalog:
         except ImmutableConflict:
             raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
             try:
-                found = json.loads(raw)
+                found = load_json(raw, RECORD, error=CatalogError, expect=dict, file=url)
                 holder, token = found.get("version"), found.get("publication")
-            except (ValueError, AttributeError):
+            except CatalogError:
                 holder, token = None, None
             if not isinstance(holder, str) or not isinstance(token, (str, type(None))):
                 raise CatalogError("sequence claim is malformed", file=url, field="version") from None

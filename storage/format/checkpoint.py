@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from storage.bounded_json import INDEX, load_json, read_bounded
 from storage.format.digests import format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
@@ -177,11 +177,9 @@ def require_same_layout(
 
 def _read_weight_map(index_path: Path, revision: str | None) -> dict[str, str]:
     label = str(index_path)
-    try:
-        raw = json.loads(index_path.read_bytes())
-    except ValueError as exc:
-        raise ManifestError(f"index is not valid JSON ({exc})", file=label, revision=revision) from None
-    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    raw = load_json(read_bounded(index_path, INDEX, error=ManifestError, file=label, revision=revision), INDEX,
+                    error=ManifestError, expect=dict, file=label, revision=revision)
+    weight_map = raw.get("weight_map")
     if not isinstance(weight_map, dict):
         raise ManifestError("index has no weight_map object", file=label, revision=revision)
     for tensor, name in weight_map.items():

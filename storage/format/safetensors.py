@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
 
-from storage.canonical import unique_keys
+from storage.bounded_json import HEADER, load_json
 from storage.errors import SafetensorsError
 
 DTYPE_SIZES = {
@@ -82,16 +82,7 @@ def parse_header(
     def fail(message: str, tensor: str | None = None) -> SafetensorsError:
         return SafetensorsError(message, file=file, revision=revision, tensor=tensor)
 
-    try:
-        text = header_bytes.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise fail(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    try:
-        raw = json.loads(text, object_pairs_hook=unique_keys)
-    except ValueError as exc:
-        raise fail(f"header is not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise fail(f"header is a JSON {type(raw).__name__}, not an object")
+    raw = load_json(header_bytes, HEADER, error=SafetensorsError, expect=dict, file=file, revision=revision)
     metadata = raw.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from fsspec.asyn import sync
 
 from storage.objects.classify import local_error, s3_error_code
-from storage.durable import atomic_write_json, fsync_dir, temp_name
+from storage.durable import atomic_write_json, fsync_dir, read_json_file, temp_name
 from storage.errors import (
     Cancelled, PermanentStorageError, StoreError, TransientStorageError,
 )
@@ -457,9 +457,7 @@ class _Download:
         """The completed ranges and the recorded first bytes of the others, of a matching record; anything else
         starts from zero."""
         try:
-            record = json.loads(self.record.read_bytes())
-        except FileNotFoundError:
-            record = None
+            record = read_json_file(self.record)  # None if missing; bounded strict JSON
         except (OSError, ValueError):
             record = "unreadable"
         want = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size}
