@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -168,11 +169,15 @@ class Catalog:
     claims (written by an older publisher) is listed as before.
     """
 
-    def __init__(self, store: ObjectStore, url: str, model: str, *, cache_dir: Path | None = None):
+    def __init__(self, store: ObjectStore, url: str, model: str, *, cache_dir: Path | None = None, verify=None,
+                 sign=None):
         self.store = store
         self.url = normalize_url(url)
         self.model = model
         self.cache_dir = cache_dir
+        # signed records (storage/catalog/signing.py, docs/format.md 4.10): ``verify(raw, revision=, file=)`` returns
+        # the record object or raises ``SignatureError`` before a record is accepted; ``sign(obj)`` adds the signature
+        self.verify, self.sign = verify, sign
         self._records: dict[str, Revision] = {}
         self.quarantined: dict[str, RefitError] = {}  # unusable records met while resolving or listing
         self._claims: dict[int, tuple[str | None, str | None]] = {}  # claims seen: sequence -> (version, token)
@@ -204,13 +209,17 @@ class Catalog:
         if record is None:
             raw = self._fetch(url, MAX_RECORD_BYTES, revision=version)
             try:
-                raw.decode("utf-8")  # UTF-8 only: json would sniff UTF-16/32 and accept them
+                raw.decode("utf-8")  # UTF-8 only: json would sniff UTF-16/32 (and a BOM) and accept them
+                if raw.startswith(codecs.BOM_UTF8):
+                    raise CatalogError("record starts with a byte order mark: UTF-8 without one only",
+                                       revision=version, file=url)
                 record = parse_revision(raw, version=version, model=self.model, file=url)
+                signed = None if self.verify is None else self.verify(raw, revision=version, file=url)
             except RefitError:
                 raise
             except Exception as exc:  # RecursionError, MemoryError, UnicodeError...: the object's fault
                 raise _unusable(exc, version, url) from None
-            self._write_cached(version, url, record)
+            self._write_cached(version, url, record, signed)
         self._records[version] = record
         return record
 
@@ -360,14 +369,14 @@ class Catalog:
         if lo is None:
             hint, memo = self._read_hint(), self._memo_top()
             if hint is not None and (memo is None or hint > memo):
-                if self._claim_exists(hint):
+                if self._claim(hint)[0]:  # read, not probed: the walk down starts with it
                     lo = hint
                 else:
                     hi = hint
             if lo is None and memo is not None and (hi is None or memo < hi):
                 lo = memo
             if lo is None:
-                if hi == 0 or not self._claim_exists(0):
+                if hi == 0 or not self._claim(0)[0]:
                     return None
                 lo = 0
         if hi is None:
@@ -588,7 +597,8 @@ class Catalog:
         if record.model != self.model:
             raise CatalogError(f"record belongs to model {record.model!r}, not {self.model!r}",
                                revision=record.version, field="model")
-        written = self.store.put_immutable(self.record_url(record.version), canonical_json(record.to_json()))
+        body = record.to_json() if self.sign is None else self.sign(record.to_json())
+        written = self.store.put_immutable(self.record_url(record.version), canonical_json(body))
         self._records[record.version] = record
         if written:
             self._put_hint(record)
@@ -606,14 +616,17 @@ class Catalog:
         if not isinstance(cached, dict) or cached.get("url") != url or not isinstance(cached.get("record"), dict):
             return None
         try:
-            return parse_revision(cached.get("record"), version=version, model=self.model, file=url)
+            record = parse_revision(cached.get("record"), version=version, model=self.model, file=url)
+            if self.verify is not None:  # the memo keeps the signed object: checked again, so a key change counts
+                self.verify(cached["record"], revision=version, file=url)
+            return record
         except CatalogError:
             return None
 
-    def _write_cached(self, version: str, url: str, record: Revision) -> None:
+    def _write_cached(self, version: str, url: str, record: Revision, signed: dict | None = None) -> None:
         if self.cache_dir is not None:
-            atomic_write_json(self.cache_dir / f"{version}.json", {"url": url, "record": record.to_json()},
-                              durable=False)
+            atomic_write_json(self.cache_dir / f"{version}.json",
+                              {"url": url, "record": record.to_json() if signed is None else signed}, durable=False)
 
     # -- local memo of claims and of the newest claim seen (hints: checked against the catalog) ----------
 
