@@ -198,3 +198,84 @@ def test_invalid_s3_uris_are_rejected_with_the_uri(url):
     with pytest.raises(InvalidURI) as info:
         normalize_url(url)
     assert url in str(info.value)
+
+
+def _publish(catalog: Catalog, raw: dict, token: str = "t") -> None:
+    """What a publisher does: claim the sequence, then write the record (which moves the head hint)."""
+    assert catalog.claim_sequence(raw["sequence"], raw["version"], token) == (raw["version"], token)
+    catalog.write(Revision.model_validate(raw))
+
+
+def _chain(catalog: Catalog, last: int) -> None:
+    _publish(catalog, initial(format_digest=D["a"]))
+    for n in range(1, last + 1):
+        _publish(catalog, record(f"r{n}", sequence=n, payload_format="full_hf_checkpoint", base_version=None,
+                                 base_digest=None, format_digest=D["a"]))
+
+
+def test_latest_and_the_launch_revision_come_from_the_claims_without_a_listing(catalog, monkeypatch):
+    _chain(catalog, 6)
+    head = json.loads(catalog.store.read_bytes(catalog.head_hint_url, max_size=4096))
+    assert (head["version"], head["sequence"]) == ("r6", 6)
+    assert catalog.head_hint_url.endswith("/catalog/hints/head.json")  # not a .json directly under the catalog
+    assert catalog.versions() == ["r0", "r1", "r2", "r3", "r4", "r5", "r6"]
+    fresh = Catalog(catalog.store, catalog.url, MODEL)
+    monkeypatch.setattr(fresh.store, "list_names", lambda *a, **k: pytest.fail("listed the catalog"))
+    assert fresh.latest().version == "r6" and fresh.initial().version == "r0" and fresh.top_claim == 6
+    _publish(catalog, record("r7", sequence=7, payload_format="full_hf_checkpoint", base_version=None,
+                             base_digest=None, format_digest=D["a"]))
+    assert fresh.latest().version == "r7"  # found above the claim it knew, by a probe
+
+
+def test_a_node_memo_holds_claims_and_records_and_is_checked_against_the_catalog(tmp_path):
+    catalog = Catalog(ObjectStore(), str(tmp_path / "catalog"), MODEL)
+    _chain(catalog, 4)
+    node = Catalog(ObjectStore(), catalog.url, MODEL, cache_dir=tmp_path / "memo")
+    assert node.latest().version == "r4"
+    assert (tmp_path / "memo" / "sequences" / f"{4:012d}.json").exists()
+    (tmp_path / "catalog" / "hints" / "head.json").write_bytes(b"garbage")  # the node's memo is a start too
+    _publish(catalog, record("r5", sequence=5, payload_format="full_hf_checkpoint", base_version=None,
+                             base_digest=None, format_digest=D["a"]))
+    again = Catalog(ObjectStore(), catalog.url, MODEL, cache_dir=tmp_path / "memo")
+    assert again.latest().version == "r5"
+    (tmp_path / "memo" / "hints" / "head.json").write_text('{"url": "elsewhere", "sequence": 99}')
+    assert Catalog(ObjectStore(), catalog.url, MODEL, cache_dir=tmp_path / "memo").latest().version == "r5"
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RecursionError("deep"), OSError(5, "I/O error"),
+                                   UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), RuntimeError("odd")])
+def test_any_error_reading_a_record_quarantines_it_and_latest_goes_past(catalog, monkeypatch, error):
+    _chain(catalog, 3)
+    fresh = Catalog(catalog.store, catalog.url, MODEL)
+    original = fresh.store.read_bytes
+
+    def read_bytes(url, **kw):
+        if url.endswith("/r3.json"):
+            raise error
+        return original(url, **kw)
+
+    monkeypatch.setattr(fresh.store, "read_bytes", read_bytes)
+    assert fresh.latest().version == "r2"
+    assert isinstance(fresh.quarantined["r3"], CatalogError) and "r3.json" in str(fresh.quarantined["r3"])
+    assert [r.version for r in fresh.list()] == ["r0", "r1", "r2"]
+    with pytest.raises(CatalogError) as info:
+        fresh.read("r3")
+    assert info.value.revision == "r3"
+
+
+def test_a_transient_error_is_not_a_quarantine(catalog, monkeypatch):
+    from storage.errors import TransientStorageError
+
+    _chain(catalog, 2)
+    fresh = Catalog(catalog.store, catalog.url, MODEL)
+    original = fresh.store.read_bytes
+
+    def read_bytes(url, **kw):
+        if url.endswith("/r2.json"):
+            raise TransientStorageError("connection reset", file=url)
+        return original(url, **kw)
+
+    monkeypatch.setattr(fresh.store, "read_bytes", read_bytes)
+    with pytest.raises(TransientStorageError):
+        fresh.latest()
+    assert fresh.quarantined == {}

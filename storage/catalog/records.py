@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import codecs
-import json
 import logging
 import os
 import re
@@ -429,7 +428,7 @@ class Catalog:
         url = self.head_hint_url
         self._hint = None
         try:
-            found = json.loads(self._fetch(url, MAX_HINT_BYTES).decode("utf-8"))
+            found = load_json(self._fetch(url, MAX_HINT_BYTES), RECORD, error=CatalogError, expect=dict, file=url)
         except ObjectNotFound:
             return None
         except RefitError as exc:
@@ -673,7 +672,7 @@ class Catalog:
 def _claim_fields(raw: bytes, model: str, sequence: int) -> tuple[str, str | None] | None:
     """(version, publication token) of a claim object, or None if it is not a usable claim of ``sequence``."""
     try:
-        found = json.loads(raw.decode("utf-8"))
+        found = load_json(raw, RECORD, error=CatalogError, expect=dict)
     except Exception:
         return None
     if not isinstance(found, dict):
