@@ -122,6 +122,10 @@ class InvalidURI(PermanentStorageError):
     pass
 
 
+class NotRegularFile(PermanentStorageError):
+    """A local object or launch file is a FIFO, socket, device or folder: refused without reading it."""
+
+
 class ImmutableConflict(StorageError):
     """A create-only write found different bytes already published."""
 

@@ -7,16 +7,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.store.artifacts import DELTA, FULL
+from storage.store.artifacts import DELTA, FULL, bucket_bound, shard_bound
 from storage.durable import tree_size
-from storage.errors import Cancelled, FormatError, ManifestError, RefitError
+from storage.errors import Cancelled, FormatError, ManifestError, RefitError, SafetensorsError
 from storage.killpoints import killpoint
 from storage.catalog.manifests import Manifest
 from storage.patch.pipeline import Arrivals
 from storage.store.quota import ensure_capacity
 from storage.format.safetensors import read_header
 from tasks.receiver import Receiver
-from tasks.fetch_index import Indexes
+from tasks.fetch_index import Indexes, _local_layout
 from tasks.resolve_catalog import ReplayPlan
 from tasks.seed_checkpoint import Baseline
 from tasks.stage import Stage
@@ -46,6 +46,7 @@ class _Job:
     kind: str
     name: str
     folder: Path
+    bound: int | None = None  # most bytes the file may have (None: no local layout to bound it by)
 
     @property
     def url(self) -> str:
@@ -80,12 +81,16 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
            arrivals: Arrivals) -> Artifacts:
     folders, jobs, reused, reused_files = {}, [], 0, []
     version_bytes: dict[str, int] = {}
+    sizes = _tensor_sizes(rx, baseline, indexes)
     for manifest in indexes.manifests:
         kind = DELTA if manifest.is_delta else FULL
         folder = rx.artifacts.folder(kind, manifest.version)
         folders[manifest.version] = folder
         complete = (rx.artifacts.complete_files(kind, manifest.version)
                     if rx.artifacts.matches(kind, manifest.version, manifest.uri, manifest.raw) else set())
+        groups: dict[str, list[str]] = {}
+        for tensor, file in manifest.weight_map.items():  # once per manifest, not once per file
+            groups.setdefault(file, []).append(tensor)
         for name in manifest.files:
             if name in complete:
                 size = (folder / name).stat().st_size
@@ -93,14 +98,14 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
                 reused_files.append((manifest.version, name))
                 version_bytes[manifest.version] = version_bytes.get(manifest.version, 0) + size
             else:
-                jobs.append(_Job(manifest, kind, name, folder))
+                jobs.append(_Job(manifest, kind, name, folder, _bound(manifest, groups.get(name, ()), sizes)))
     workers = rx.params.storage.concurrency
     stop = arrivals.stop or rx.stop
     cancel = threading.Event()  # downloads in flight watch this
     stop.add_listener(cancel.set)
     try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fetch") as pool:
-            sized = list(pool.map(lambda job: _attempt(job, objects.size, job.url), jobs))
+            sized = list(pool.map(lambda job: _attempt(job, _size, objects, job), jobs))
         stop.check()
         errors = [e for _, e in sized if e is not None]
         known = [(job, size) for job, (size, e) in zip(jobs, sized) if e is None]
@@ -119,7 +124,8 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
 
         def fetch(job: _Job, size: int) -> int:
             path = job.folder / job.name
-            got = objects.download(job.url, path, expected_size=size, cancel=cancel, progress=progress)
+            got = objects.download(job.url, path, expected_size=size, max_size=job.bound, cancel=cancel,
+                                   progress=progress)
             try:
                 _check_file(job, path)
             except RefitError:
@@ -173,6 +179,35 @@ def discard_rejected_artifact(rx: Receiver, indexes: Indexes, error: BaseExcepti
                 error.with_context(local_file=str(path))
                 rx.ledger.note(f"discarded {path}: {error.reason}")
                 return
+
+
+def _tensor_sizes(rx: Receiver, baseline: Baseline, indexes: Indexes) -> dict[str, int] | None:
+    """Byte size of every local tensor (the layout the index stage checked the manifests against), or None."""
+    if not indexes.manifests:
+        return None
+    layout = _local_layout(rx, baseline)
+    return None if layout is None else {name: nbytes for name, (_dtype, _shape, nbytes) in layout.items()}
+
+
+def _bound(manifest: Manifest, tensors, sizes: dict[str, int] | None) -> int | None:
+    """Most bytes a file of ``manifest`` holding ``tensors`` may have: a bucket's header and worst-case frames,
+    a shard's header and tensors (docs/format.md, "Download bounds")."""
+    if sizes is None:
+        return None
+    tensors = {t: sizes.get(t, 0) for t in tensors}
+    return bucket_bound(manifest.delta_encoding, tensors) if manifest.is_delta else shard_bound(tensors)
+
+
+def _size(objects, job: _Job) -> int:
+    """The object's size (one HEAD), refused before any byte is fetched when it is over the file's bound."""
+    size = objects.size(job.url)
+    if job.bound is not None and size > job.bound:
+        what = "bucket" if job.kind == DELTA else "shard"
+        raise SafetensorsError(
+            f"the {what} is {size:,} bytes, more than the {job.bound:,} bytes the tensors the index maps to it "
+            "can take (docs/format.md, download bounds); not downloaded",
+            revision=job.manifest.version, file=job.url)
+    return size
 
 
 def _attempt(job: _Job, fn, *args):

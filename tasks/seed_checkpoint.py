@@ -70,7 +70,7 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
             f"of {initial.version}",
             revision=initial.version,
         )
-    seed_path = Path(seed).expanduser().resolve()
+    seed_path = launch_files.snapshot_folder(seed, revision=initial.version)  # only regular files, no loops
     if not seed_path.is_dir():
         raise StoreError(f"--seed-checkpoint {seed_path} is not a folder; pass the launch snapshot of "
                          f"{initial.version} (a folder of *.safetensors files)", revision=initial.version,
@@ -138,7 +138,8 @@ def keep_launch_files(rx: Receiver, root: Revision) -> None:
     takes them from the configured launch snapshot, so every checkpoint prepared from now on carries them."""
     seed = rx.params.seed_checkpoint
     if launch_files.kept(rx.store.root) is None and seed and Path(seed).expanduser().is_dir():
-        kept = launch_files.capture(rx.store.root, Path(seed).expanduser().resolve(), root.version)
+        folder = launch_files.snapshot_folder(seed, revision=root.version)  # only regular files, no loops
+        kept = launch_files.capture(rx.store.root, folder, root.version)
         rx.ledger.note(f"kept the launch snapshot's non-weight files ({', '.join(sorted(kept.files)) or 'none'})")
 
 

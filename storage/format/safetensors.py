@@ -4,7 +4,7 @@ The reader checks what the safetensors library checks and a little more: the
 header length is bounded and inside the file, the header is UTF-8 JSON with no
 duplicate keys, every dtype is known, every shape is a list of non-negative
 ints, ``data_offsets`` are ordered, inside the data section and do not
-overlap, and each tensor's byte size is ``product(shape) * dtype size``.
+overlap, nothing follows the last tensor, and each tensor's byte size is ``product(shape) * dtype size``.
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ def parse_header(
     for prev, cur in zip(ordered, ordered[1:]):
         if cur.start < prev.end:
             raise fail(f"data_offsets of {cur.name!r} overlap those of {prev.name!r}", tensor=cur.name)
+    last = max((t.end for t in ordered), default=0)
+    if last != data_size:  # nothing may follow the last tensor (what the safetensors library checks too)
+        raise fail(f"{data_size - last} byte(s) follow the last tensor's end at {last} in the "
+                   f"{data_size}-byte data section")
     return SafetensorsHeader(header_len, metadata, tensors, data_size)
 
 

@@ -33,10 +33,12 @@ share one life cycle (a range is fetched on a budget slot, written, recorded), r
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import json
 import logging
 import os
+import stat
 import threading
 import time
 import weakref
@@ -48,9 +50,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from fsspec.asyn import sync
 
 from storage.objects.classify import local_error, s3_error_code
-from storage.durable import atomic_write_json, fsync_dir, read_json_file, temp_name
+from storage.durable import atomic_write_json, copy_bytes, fsync_dir, read_json_file, temp_name
 from storage.errors import (
-    Cancelled, PermanentStorageError, StoreError, TransientStorageError,
+    Cancelled, NotRegularFile, PermanentStorageError, StoreError, TransientStorageError,
 )
 
 if TYPE_CHECKING:
@@ -262,12 +264,66 @@ class FsspecSource:
 
 
 class LocalSource:
-    """An object on a local or in-memory filesystem: one plain copy (``fs.get_file``), no ranges."""
+    """An object on a local or in-memory filesystem: one plain copy, no ranges.
+
+    A local file is opened without blocking and must be a regular file (a FIFO, socket or device is refused,
+    never read); exactly the bytes its size announced are copied. In-memory objects go through ``fs.get_file``.
+    """
 
     ranged = False
 
     def __init__(self, fs, path: str):
         self.fs, self.path = fs, path
+        self.local = "memory" not in ((fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol))
+
+
+def open_regular(path: str, url: str) -> int:
+    """A read-only descriptor of the local regular file ``path`` (links followed), opened without blocking.
+
+    A FIFO, socket, device or folder raises ``NotRegularFile`` naming ``url`` (a FIFO's ``open`` would block,
+    and its size of 0 says nothing); other errors are the ``OSError`` of ``stat``/``open``.
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(f"the object is not a regular file ({_kind(st.st_mode)}); refused without reading it",
+                             file=url)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)  # what was opened, not what was there a moment before
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(f"the object is not a regular file ({_kind(st.st_mode)}); refused without "
+                                 "reading it", file=url)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a link")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
+
+
+def read_regular(path: str, url: str, max_size: int) -> bytes:
+    """The whole local regular file ``path``, refused (unread) when it has more than ``max_size`` bytes and
+    never read past ``max_size`` (a file growing meanwhile is a transient error)."""
+    fd = open_regular(path, url)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_size:
+            raise PermanentStorageError(f"object is {size} bytes, more than the {max_size} allowed", file=url)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            data = fh.read(size + 1)
+    finally:
+        os.close(fd)
+    if len(data) != size:
+        raise TransientStorageError(f"the object changed while it was read ({len(data)} bytes where {size} were "
+                                    "announced)", file=url)
+    return data
 
 
 # -- downloads ----------------------------------------------------------------------------------
@@ -413,8 +469,10 @@ class _Download:
     def _open_part(self) -> None:
         """Open and lock the partial file (another download into the same ``dest`` waits)."""
         while True:
+            if os.path.islink(self.part):  # a link planted in the cache is removed, never written through
+                self._local("removing a link in the cache", self.part, os.unlink, self.part)
             fd = self._local("creating the partial download", self.part, os.open, self.part,
-                             os.O_RDWR | os.O_CREAT, 0o644)
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             try:
                 waited = False
                 while True:
@@ -556,6 +614,8 @@ class _Download:
 
         def fetch() -> int:
             self.check()
+            if self.source.local:
+                return self._copy_regular(path, tmp, expected_size, max_size)
             expected = int(fs.size(path)) if expected_size is None else expected_size
             if max_size is not None and expected > max_size:
                 raise PermanentStorageError(f"object is {expected} bytes, more than the {max_size} allowed",
@@ -580,6 +640,38 @@ class _Download:
             tmp.unlink(missing_ok=True)
         self.store.stats.add(bytes_read=size)
         self._report(size)
+        return size
+
+
+    def _copy_regular(self, path: str, tmp: Path, expected_size: int | None, max_size: int | None) -> int:
+        """Copy exactly the announced bytes of a local regular file into ``tmp`` (never more than ``max_size``)."""
+        fd = open_regular(path, self.url)
+        try:
+            size = os.fstat(fd).st_size
+            if max_size is not None and size > max_size:
+                raise PermanentStorageError(f"object is {size} bytes, more than the {max_size} allowed; "
+                                            "not downloaded", file=self.url)
+            if expected_size is not None and size != expected_size:
+                raise TransientStorageError(f"the object has {size} bytes, {expected_size} were expected",
+                                            file=self.url)
+            with os.fdopen(os.dup(fd), "rb") as fin:
+                try:
+                    out = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError as exc:
+                    raise local_error(exc, tmp, self.url, "copying the object") from exc
+                with os.fdopen(out, "wb") as fout:
+                    try:
+                        copy_bytes(fin, fout, size, stop=None)
+                    except OSError as exc:
+                        if exc.errno == errno.EIO and os.fstat(fd).st_size < size:  # shrank while copied
+                            raise TransientStorageError(f"the object shrank while it was copied ({exc})",
+                                                        file=self.url) from exc
+                        raise local_error(exc, tmp, self.url, "copying the object") from exc
+            if os.fstat(fd).st_size != size:  # grew (or shrank) while copied: what was copied is not the object
+                raise TransientStorageError(f"the object changed size while it was copied (from {size} bytes)",
+                                            file=self.url)
+        finally:
+            os.close(fd)
         return size
 
 

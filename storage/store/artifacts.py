@@ -10,15 +10,55 @@ wiped before reuse; a file whose identity changed is downloaded again.
 from __future__ import annotations
 
 import hashlib
+import logging
+import os
 import threading
 from pathlib import Path
 
 from storage.durable import atomic_write_bytes, atomic_write_json, file_identity, read_json_file, remove_tree
 from storage.store.local_store import LocalStore
 
+log = logging.getLogger("canonical_refit.store")
+
 FULL, DELTA = "full", "deltas"
 DELTA_INDEX_NAME = "index.json"
 FULL_INDEX_NAME = "model.safetensors.index.json"
+
+# -- download bounds (docs/format.md, "Download bounds") ------------------------------------------------------
+
+HEADER_SLACK = 2**20  # header bytes allowed on top of what its tensors need (metadata, whitespace)
+HEADER_PER_TENSOR = 512  # a tensor's entry and checksum beside its name (escaped twice: 12 bytes a name byte)
+FRAME_SLACK = 2**16  # bytes allowed on top of a frame's decoded size and 1/128 of it (frame and block headers)
+
+
+def header_bound(names) -> int:
+    """Most bytes a safetensors file's length prefix and header may take for tensors ``names``."""
+    from storage.format.safetensors import MAX_HEADER_BYTES
+
+    need = HEADER_SLACK + sum(HEADER_PER_TENSOR + 12 * len(name.encode("utf-8")) for name in names)
+    return 8 + min(MAX_HEADER_BYTES, need)
+
+
+def decoded_bound(encoding: str | None, size: int) -> int:
+    """Most bytes a valid record of ``encoding`` decodes to, for a tensor of ``size`` bytes (count <= size)."""
+    per, fixed = {"xor_sparse": (9, 8), "overwrite": (5, 4), "xor_gaps": (10, 8)}.get(encoding or "xor", (1, 0))
+    return fixed + per * size
+
+
+def frame_bound(decoded: int) -> int:
+    """Most bytes a zstd frame decoding to ``decoded`` bytes may take: above libzstd's ZSTD_COMPRESSBOUND
+    (n + n/256 + at most 64 bytes), with room for a streaming encoder's extra block headers."""
+    return decoded + decoded // 128 + FRAME_SLACK
+
+
+def bucket_bound(encoding: str | None, sizes: dict[str, int]) -> int:
+    """Most bytes a delta bucket holding frames for tensors of these byte ``sizes`` may have."""
+    return header_bound(sizes) + sum(frame_bound(decoded_bound(encoding, n)) for n in sizes.values())
+
+
+def shard_bound(sizes: dict[str, int]) -> int:
+    """Most bytes a full shard holding tensors of these byte ``sizes`` may have (its header is not known yet)."""
+    return header_bound(sizes) + sum(sizes.values())
 
 
 class ArtifactCache:
@@ -53,6 +93,10 @@ class ArtifactCache:
         index_sha = hashlib.sha256(index).hexdigest() if index is not None else None
         folder = self.folder(kind, version)
         with self._lock:
+            for path in (folder, self._source_path(kind, version)):  # links are removed, never written through
+                if os.path.islink(path):
+                    log.warning("removed %s: a link inside the store (the store never follows links)", path)
+                    os.unlink(path)
             if not self.matches(kind, version, uri, index):
                 remove_tree(folder)
                 self._source_path(kind, version).unlink(missing_ok=True)
@@ -62,6 +106,8 @@ class ArtifactCache:
             if index is not None:
                 name = FULL_INDEX_NAME if kind == FULL else DELTA_INDEX_NAME
                 path = folder / name
+                if os.path.islink(path):
+                    os.unlink(path)
                 if not path.exists() or path.read_bytes() != index:
                     atomic_write_bytes(path, index)
         return folder

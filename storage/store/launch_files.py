@@ -15,8 +15,10 @@ sha256 hex of the file's bytes})`` over every carried file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +57,53 @@ class LaunchFiles:
 
 def files_digest(hashes: dict[str, str]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(dict(sorted(hashes.items())))).hexdigest()
+
+
+def snapshot_folder(seed: str | Path, *, revision: str) -> Path:
+    """The launch snapshot folder ``seed`` resolved, and checked: every non-hidden entry in it is a regular
+    file (a link to one is followed) or a folder. A FIFO, socket or device is refused without being opened
+    (it could block the run), a link loop too; each as a ``StoreError`` naming the file and ``revision``."""
+    try:
+        folder = Path(seed).expanduser().resolve(strict=True)
+    except FileNotFoundError:
+        return Path(seed).expanduser().absolute()  # the caller says it is not a folder
+    except (OSError, RuntimeError) as exc:  # RuntimeError: Python's word for a link loop
+        raise StoreError(f"the launch snapshot folder cannot be resolved: {_why(exc)}", revision=revision,
+                         local_file=str(seed)) from None
+    if not folder.is_dir():
+        return folder
+    try:
+        with os.scandir(folder) as it:
+            entries = [e for e in it if not e.name.startswith(".")]
+    except OSError as exc:
+        raise StoreError(f"the launch snapshot folder cannot be listed: {_why(exc)}", revision=revision,
+                         local_file=str(folder)) from None
+    for entry in sorted(entries, key=lambda e: e.name):
+        try:
+            mode = os.stat(entry.path).st_mode  # through links: what a reader would open
+        except FileNotFoundError:
+            continue  # a dangling link: read by nothing
+        except OSError as exc:
+            raise StoreError(f"launch snapshot file cannot be read: {_why(exc)}", revision=revision,
+                             local_file=entry.path) from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise StoreError(f"launch snapshot file is not a regular file ({_kind(mode)}); refused without "
+                             "opening it", revision=revision, local_file=entry.path)
+    return folder
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, RuntimeError) or getattr(exc, "errno", None) == errno.ELOOP:
+        return "a symbolic link loop"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"
 
 
 def non_weight_files(folder: Path) -> list[Path]:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
@@ -66,6 +67,33 @@ from storage.store.records import (  # noqa: F401  (the records are part of the 
 )
 
 log = logging.getLogger("canonical_refit.store")
+_FOLDERS = ("full", "deltas", "materialized", "chains", "verified", "flushed", "catalog", "tmp")
+_CHECKPOINT_FOLDERS = ("full", "deltas", "materialized")  # folders of folders of files
+_ROOT_FILES = ("state.json", "active.json", "poisoned.json", "installing.json", launch_files.RECORD,
+               launch_files.FOLDER)  # never links (the installers' ``current`` link is theirs, and kept)
+
+
+def _unlink_if_link(path: Path) -> int:
+    """Remove ``path`` if it is a link (1), else leave it (0): a link in the cache is removed, never followed."""
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return 0
+        os.unlink(path)
+    except FileNotFoundError:
+        return 0
+    log.warning("removed %s: a link inside the store (the store never follows links)", path)
+    return 1
+
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    """The entries of a real folder (none when it is missing or a link)."""
+    try:
+        if os.path.islink(folder):
+            return []
+        with os.scandir(folder) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 def _labelled_files(record: dict) -> dict:
     """A record as ``status`` prints it: each file's identity as ``{"size", "mtime_ns"}`` (on disk, a pair)."""
@@ -86,9 +114,63 @@ class LocalStore:
             self.create()
 
     def create(self) -> None:
-        """Make the store's folders (the first run on a host does this under its lock)."""
-        for sub in ("full", "deltas", "materialized", "chains", "verified", "flushed", "catalog", "tmp"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        """Make the store's folders (the first run on a host does this under its lock).
+
+        The cache is closed: a link where the store's folder, one of its folders or one of its state files
+        should be is removed (never followed) before anything is created or read through it.
+        """
+        self.unlink_root_link()
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in _ROOT_FILES:
+            _unlink_if_link(self.root / name)
+        for sub in _FOLDERS:
+            path = self.root / sub
+            _unlink_if_link(path)
+            path.mkdir(exist_ok=True)
+
+    def unlink_root_link(self) -> None:
+        """A link where the store's own folder should be is removed: nothing is created or locked through it."""
+        _unlink_if_link(self.root)
+
+    def scrub_links(self) -> int:
+        """Remove every link planted inside the store's folders (and inside each checkpoint and artifact
+        folder), so nothing the store reads, writes, renames or deletes is reached through one; returns how
+        many were removed. One ``scandir`` per folder: a link is seen in the entry's type, with no extra call."""
+        count = 0
+        for sub in _FOLDERS:
+            for entry in _entries(self.root / sub):
+                if entry.is_symlink():
+                    count += _unlink_if_link(Path(entry.path))
+                elif sub in _CHECKPOINT_FOLDERS and entry.is_dir(follow_symlinks=False):
+                    count += sum(_unlink_if_link(Path(inner.path)) for inner in _entries(Path(entry.path))
+                                 if inner.is_symlink())
+        launch = self.root / launch_files.FOLDER
+        count += sum(_unlink_if_link(Path(e.path)) for e in _entries(launch) if e.is_symlink())
+        return count
+
+    def contains(self, path: Path) -> bool:
+        """True if ``path`` lies strictly inside the store and no folder between the store and it is a link:
+        what the store may delete or rename."""
+        path = Path(os.path.normpath(path))
+        try:
+            relative = path.relative_to(self.root)
+        except ValueError:
+            return False
+        if not relative.parts or ".." in relative.parts:
+            return False
+        folder = self.root
+        for part in relative.parts[:-1]:
+            folder = folder / part
+            if os.path.islink(folder):
+                return False
+        return True
+
+    def remove_inside(self, path: Path) -> None:
+        """``remove_tree(path)`` for a path inside the store only (a link there is unlinked, not followed)."""
+        if not self.contains(path):
+            raise StoreError("refusing to remove a path outside the store (or reached through a link)",
+                             local_file=str(path))
+        remove_tree(path)
 
     @property
     def exists(self) -> bool:
@@ -154,9 +236,11 @@ class LocalStore:
     # -- locks --------------------------------------------------------------------------
 
     def exclusive(self, timeout_s: float, what: str = "preparation", stop=None) -> StoreLock:
+        self.unlink_root_link()  # the lock file is never created through a link
         return StoreLock(self.root / "lock", exclusive=True, timeout_s=timeout_s, what=what, stop=stop)
 
     def shared(self, timeout_s: float, what: str = "installation", stop=None) -> StoreLock:
+        self.unlink_root_link()
         return StoreLock(self.root / "lock", exclusive=False, timeout_s=timeout_s, what=what, stop=stop)
 
     # -- reading ------------------------------------------------------------------------
@@ -324,7 +408,7 @@ class LocalStore:
         record = self.verified(version, check_files=False)
         if record is not None and record.path == self.relative(folder):
             self._forget(version)
-        remove_tree(folder)
+        self.remove_inside(folder)
         (folder.parent / f"{version}.source.json").unlink(missing_ok=True)
 
     def _forget(self, version: str) -> None:
@@ -409,16 +493,23 @@ class LocalStore:
         """
         actions: list[str] = []
         self.create()
-        for entry in list(self.tmp_dir.iterdir()):
+        links = self.scrub_links()
+        if links:
+            actions.append(f"removed {links} link(s) found inside the store (links are never followed)")
+        for entry in _entries(self.tmp_dir):
             if is_temp_of_other_process(entry.name):
-                remove_tree(entry)
+                self.remove_inside(Path(entry.path))
         swept = self._sweep_temp_files()
         if swept:
             actions.append(f"removed {swept} temporary file(s) left by an interrupted write")
         state = self.state()
         if state is not None and state.status == UPDATING:
             if state.source:
-                remove_tree(self.absolute(state.source))
+                folder = self.absolute(state.source)
+                if self.contains(folder):
+                    remove_tree(folder)
+                else:  # a state file naming a path outside the store: nothing outside is ever deleted
+                    log.warning("not removing %s: outside the store", folder)
                 if state.version:
                     self._forget(state.version)
             actions.append(f"discarded the half-written checkpoint of {state.version} ({state.source})")
@@ -431,10 +522,10 @@ class LocalStore:
                 self._forget(path.stem)
                 actions.append(f"forgot {path.stem}: its files changed outside the receiver or are missing")
         trusted = {record.path for record in self.inventory().values()}
-        for folder in sorted((self.root / "materialized").iterdir()):
+        for folder in sorted(Path(e.path) for e in _entries(self.root / "materialized")):
             rel = self.relative(folder)
             if rel not in trusted:
-                remove_tree(folder)
+                self.remove_inside(folder)
                 actions.append(f"removed {rel}: no verified record vouches for it")
         self._repoint_state(state)
         return actions
@@ -467,12 +558,13 @@ class LocalStore:
         """Remove temporary files a killed writer left (other processes' only)."""
         folders = [self.root] + [self.root / sub for sub in ("full", "deltas", "verified", "flushed", "chains",
                                                              "catalog")]
-        folders += [p for sub in ("full", "deltas") for p in (self.root / sub).iterdir() if p.is_dir()]
+        folders += [Path(e.path) for sub in ("full", "deltas") for e in _entries(self.root / sub)
+                    if e.is_dir(follow_symlinks=False)]
         count = 0
         for folder in folders:
-            for entry in os.scandir(folder):
-                if entry.is_file() and is_temp_of_other_process(entry.name):
-                    os.unlink(entry.path)
+            for entry in _entries(folder):
+                if not entry.is_dir(follow_symlinks=False) and is_temp_of_other_process(entry.name):
+                    os.unlink(entry.path)  # a link is removed itself, never what it points at
                     count += 1
         return count
 

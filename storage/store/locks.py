@@ -67,7 +67,9 @@ class StoreLock:
 
     def acquire(self) -> "StoreLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.path.islink(self.path):  # a link planted in the cache is removed, never opened (nor created through)
+            os.unlink(self.path)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         start = time.monotonic()
         delay, announced = 0.01, False
         try:
