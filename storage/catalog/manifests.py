@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Mapping
 
 from storage.catalog.records import Revision
@@ -36,16 +37,24 @@ class Manifest:
     def version(self) -> str:
         return self.revision.version
 
+    @cached_property
+    def _by_file(self) -> dict[str, list[str]]:
+        """Each file's tensors, sorted (files in name order): computed once, not once per question."""
+        out: dict[str, list[str]] = {}
+        for tensor, file in self.weight_map.items():
+            out.setdefault(file, []).append(tensor)
+        return {f: sorted(out[f]) for f in sorted(out)}
+
     @property
     def files(self) -> list[str]:
-        return sorted(set(self.weight_map.values()))
+        return list(self._by_file)
 
     def file_url(self, name: str) -> str:
         """Shard URI: the index URI's parent plus ``/`` plus the file name."""
         return join_url(parent_url(self.uri), name)
 
     def tensors_of(self, name: str) -> list[str]:
-        return sorted(t for t, f in self.weight_map.items() if f == name)
+        return list(self._by_file.get(name, ()))
 
 
 def _load(raw: bytes, revision: Revision, uri: str) -> dict:

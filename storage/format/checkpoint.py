@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import stat
+import threading
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +15,7 @@ from storage.bounded_json import INDEX, load_json, read_bounded
 from storage.format.digests import format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
-from storage.format.safetensors import SafetensorsHeader, read_header
+from storage.format.safetensors import SafetensorsHeader, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
 HASH_BLOCK = 8 * 2**20
@@ -73,25 +77,40 @@ class CheckpointIndex(TensorTable):
 
     @classmethod
     def open(cls, folder: Path, *, revision: str | None = None) -> "CheckpointIndex":
+        """Parse and check the folder's index and every shard's header.
+
+        A refit opens the same layout several times (the seed, the base, the
+        patched target, the verification): what was parsed from given index and
+        header bytes is remembered (``_Parsed``), so opening a folder whose
+        index and headers are byte for byte ones already parsed only reads
+        them — O(shards), not O(tensors) of JSON. Only successes are kept, keyed
+        by the bytes themselves, so a file that changed is parsed again.
+        """
         folder = Path(folder)
         if not folder.is_dir():
             raise SafetensorsError("checkpoint folder does not exist", file=str(folder), revision=revision)
         index_path = folder / INDEX_FILE
-        weight_map = None
+        weight_map = index_bytes = None
         if index_path.exists():
-            weight_map = _read_weight_map(index_path, revision)
-            files = sorted(set(weight_map.values()))
+            index_bytes = read_bounded(index_path, INDEX, error=ManifestError, file=str(index_path),
+                                       revision=revision)
+            weight_map, files = _PARSED.weight_map(index_bytes, index_path, revision)
         else:
             files = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("."))
         if not files:
             raise SafetensorsError("no safetensors files in checkpoint", file=str(folder), revision=revision)
+        raw_headers = [(name, *_raw_header(folder / name, revision)) for name in files]
+        key = (index_bytes, tuple(raw_headers))
+        known = _PARSED.layouts.get(key)
+        if known is not None:
+            _PARSED.layouts.move_to_end(key)
+            return cls(folder, *known)
         headers, tensors = {}, {}
-        for name in files:
+        for name, size, header_bytes in raw_headers:
             path = folder / name
-            if not path.is_file():
-                raise SafetensorsError("shard named by the index is missing", file=str(path), revision=revision)
-            header = read_header(path, revision=revision)
+            header = parse_header(header_bytes, len(header_bytes), size, file=str(path), revision=revision)
             headers[name] = header
+            offset = header.data_offset
             for info in header.tensors.values():
                 if info.name in tensors:
                     raise SafetensorsError(
@@ -104,15 +123,16 @@ class CheckpointIndex(TensorTable):
                         file=str(index_path), tensor=info.name, revision=revision,
                     )
                 tensors[info.name] = TensorLocation(
-                    info.name, name, header.data_offset + info.start, info.nbytes, info.dtype, info.shape
+                    info.name, name, offset + info.start, info.nbytes, info.dtype, info.shape
                 )
-        if weight_map is not None:
+        if weight_map is not None and len(weight_map) != len(tensors):
             for tensor, name in weight_map.items():
                 if tensor not in tensors:
                     raise SafetensorsError(
                         f"index maps the tensor to {name} but that shard does not hold it",
                         file=str(index_path), tensor=tensor, revision=revision,
                     )
+        _PARSED.remember(key, (tensors, headers))
         return cls(folder, tensors, headers)
 
     def checksums(
@@ -175,10 +195,54 @@ def require_same_layout(
             raise CheckpointMismatch(f"byte size {anb} differs from local {enb}", revision=revision, file=file, tensor=name)
 
 
-def _read_weight_map(index_path: Path, revision: str | None) -> dict[str, str]:
+def _raw_header(path: Path, revision: str | None) -> tuple[int, bytes]:
+    """A shard's size and header bytes, the length prefix checked against the size and the bound first."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO never blocks
+    except OSError:
+        raise SafetensorsError("shard named by the index is missing", file=str(path), revision=revision) from None
+    with open(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SafetensorsError("shard named by the index is missing", file=str(path), revision=revision)
+        n = header_length(fh.read(8), info.st_size, file=str(path), revision=revision)
+        return info.st_size, fh.read(n)
+
+
+class _Parsed:
+    """What index and header bytes parsed to (successes only), the last few layouts, keyed by the bytes."""
+
+    KEEP = 4
+
+    def __init__(self) -> None:
+        self.layouts: OrderedDict = OrderedDict()
+        self.indexes: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, key, value) -> None:
+        with self._lock:
+            self.layouts[key] = value
+            while len(self.layouts) > self.KEEP:
+                self.layouts.popitem(last=False)
+
+    def weight_map(self, raw: bytes, index_path: Path, revision: str | None) -> tuple[dict[str, str], list[str]]:
+        known = self.indexes.get(raw)
+        if known is None:
+            weight_map = _read_weight_map(raw, index_path, revision)
+            known = (weight_map, sorted(set(weight_map.values())))
+            with self._lock:
+                self.indexes[raw] = known
+                while len(self.indexes) > self.KEEP:
+                    self.indexes.popitem(last=False)
+        return known
+
+
+_PARSED = _Parsed()
+
+
+def _read_weight_map(data: bytes, index_path: Path, revision: str | None) -> dict[str, str]:
     label = str(index_path)
-    raw = load_json(read_bounded(index_path, INDEX, error=ManifestError, file=label, revision=revision), INDEX,
-                    error=ManifestError, expect=dict, file=label, revision=revision)
+    raw = load_json(data, INDEX, error=ManifestError, expect=dict, file=label, revision=revision)
     weight_map = raw.get("weight_map")
     if not isinstance(weight_map, dict):
         raise ManifestError("index has no weight_map object", file=label, revision=revision)
