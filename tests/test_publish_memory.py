@@ -189,7 +189,8 @@ def test_a_refused_tensor_names_the_version_it_would_have_had(tmp_path):
     with pytest.raises(ValueError, match="keep_base"):
         api.publish(step(1), catalog=catalog, model=MODEL, keep_base="gpu", state_dir=tmp_path / "state",
                     emit_event=False)
-    assert sorted(p.name for p in (tmp_path / "catalog").rglob("*.json")) == ["000000000000.json", "r0.json"]
+    assert sorted(p.name for p in (tmp_path / "catalog").rglob("*.json")) == ["000000000000.json", "head.json",
+                                                                            "r0.json"]
 
 
 def test_a_restarted_trainer_without_its_memory_base_is_told_in_python_terms_what_to_pass(tmp_path):
