@@ -60,6 +60,7 @@ from typing import Any, Callable
 from uuid import UUID
 
 from deployments.orphans import CLAIM, agent_identity, crash_orphans, ensure_zombie_automation
+from deployments.pinning import RunRefused
 from storage.cancel import StopToken, current_stop
 
 log = logging.getLogger("canonical_refit.agent")
@@ -86,6 +87,7 @@ class AgentStats:
     heartbeats: int = 0  # node record refreshes (no Prefect API request)
     heals: int = 0  # refits started because a heartbeat saw the engines drift from the store
     fan_outs: int = 0  # refit-on-publish runs this agent created for published events (--fan-out agent)
+    refused: int = 0  # runs whose parameters this node's configuration does not allow (deployments/pinning.py)
     started_at: float = field(default_factory=time.monotonic)
     run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
 
@@ -109,8 +111,11 @@ class NodeAgent:
                  cancel_poll_s: float = CANCEL_POLL_S, wake_on_events: bool = True,
                  heartbeat: Callable[[bool], Any] | None = None, heartbeat_s: float = HEARTBEAT_S,
                  zombie_after_s: float | None = None, outcomes: dict[str, Callable[..., Any]] | None = None,
-                 fan_out: PublishFanOut | None = None):
+                 fan_out: PublishFanOut | None = None, vet: dict[str, Callable[[dict], dict]] | None = None):
         self.deployments = deployments
+        # flow name -> the run's parameters as this node runs them, or RunRefused (deployments/pinning.py); a flow
+        # with no entry is not run at all (a run's parameters are never run as they come)
+        self.vet = vet or {}
         self.fan_out = fan_out
         self._fan_out_id: UUID | None = None
         self._subscribed_once = False
@@ -358,6 +363,14 @@ class NodeAgent:
         from prefect.flow_engine import run_flow
 
         flow = self._flows[run.deployment_id]
+        self.stats.api_requests += 1
+        claimed = client.read_flow_run(run.id)  # its parameters as they are now, after the claim
+        try:
+            parameters = self._vetted(flow.name, claimed.parameters)
+        except Exception as exc:  # refused; anything else that went wrong reading them refuses it too
+            self._refuse(client, run, exc if isinstance(exc, RunRefused) else RunRefused(
+                flow.name, ["params"], (), f"its parameters could not be read: {exc}"))
+            return
         run_stop = self.stop.child()
         watcher_done = threading.Event()
         watcher = threading.Thread(target=self._watch_cancellation, args=(client, run.id, run_stop, watcher_done),
@@ -367,13 +380,11 @@ class NodeAgent:
         self._running = (run.id, run_stop)
         self._busy.set()
         try:
-            self.stats.api_requests += 1
-            claimed = client.read_flow_run(run.id)
             watcher.start()
             outcome = self.outcomes.get(flow.name)
             if outcome is not None:
                 outcome(reset=True)
-            state = run_flow(flow, flow_run=claimed, parameters=run.parameters, return_type="state")
+            state = run_flow(flow, flow_run=claimed, parameters=parameters, return_type="state")
             log.info("flow run %s ended %s in %.2fs", run.name, getattr(state, "name", state),
                      time.perf_counter() - started)
             self._settle(client, run, state, outcome)
@@ -388,6 +399,22 @@ class NodeAgent:
             watcher_done.set()
             run_stop.close()
             self.stats.runs += 1
+
+    def _vetted(self, flow_name: str, parameters: dict | None) -> dict:
+        vet = self.vet.get(flow_name)
+        if vet is None:
+            raise RunRefused(flow_name, ["the flow"], (), "this agent runs no flow of that name with its own "
+                                                        "configuration")
+        return vet(dict(parameters or {}))
+
+    def _refuse(self, client, run, exc: RunRefused) -> None:
+        """End a claimed run Failed (named Refused) without running any of it; the node's log says why."""
+        from prefect.states import Failed
+
+        log.warning("flow run %s refused, not run: %s", run.name, exc)
+        self.stats.refused += 1
+        self.stats.api_requests += 1
+        client.set_flow_run_state(run.id, Failed(name="Refused", message=str(exc)), force=True)
 
     def _settle(self, client, run, state, outcome: Callable[[], Any] | None) -> None:
         """A run that ended before its cancellation reached it is left ``Cancelling`` by the server (which
@@ -431,7 +458,8 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
                      wake_on_events: bool = True, heartbeat: Callable[[bool], Any] | None = None,
                      heartbeat_s: float = HEARTBEAT_S, zombie_after_s: float | None = None,
                      outcomes: dict[str, Callable[..., Any]] | None = None,
-                     fan_out: PublishFanOut | None = None) -> AgentStats:
+                     fan_out: PublishFanOut | None = None,
+                     vet: dict[str, Callable[[dict], dict]] | None = None) -> AgentStats:
     """Run a ``NodeAgent`` in a worker thread while the main thread owns the signals."""
     from storage.cancel import signals_stop_the_run
 
@@ -439,7 +467,7 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
     with signals_stop_the_run() as stop:
         agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
                           wake_on_events=wake_on_events, stop=stop, heartbeat=heartbeat, heartbeat_s=heartbeat_s,
-                          zombie_after_s=zombie_after_s, outcomes=outcomes, fan_out=fan_out)
+                          zombie_after_s=zombie_after_s, outcomes=outcomes, fan_out=fan_out, vet=vet)
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, args=(lambda: outcome.update(stats=agent.run()),),
                                   name="node-agent", daemon=True)

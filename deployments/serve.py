@@ -6,8 +6,9 @@
 
 The node is configured as the CLI configures it: flags first, then the
 ``CANONICAL_REFIT_*`` environment variables (``storage/settings.py``). The
-process registers three deployments on the server ``PREFECT_API_URL`` names
-and runs their flow runs in this process (``deployments/agent.py``), one at a
+process registers its deployments on the server ``PREFECT_API_URL`` names
+(with ``PREFECT_API_AUTH_STRING`` where the server requires credentials) and
+runs their flow runs in this process (``deployments/agent.py``), one at a
 time, so no Python or Prefect start-up is paid per run:
 
 * ``refit/refit-latest`` refits to the catalog's latest revision every
@@ -15,13 +16,17 @@ time, so no Python or Prefect start-up is paid per run:
 * ``refit/refit-on-publish`` runs on every ``canonical-refit.revision.published``
   event for this model, with the event's version as the target; a version that
   is not newer than the installed one ends in a ``Skipped`` state that says so;
-* ``publish/publish`` is the trainer side, run with the checkpoint as a parameter.
+* ``publish/publish``, only with ``--serve-publish``: the trainer side, run with a checkpoint
+  from under a ``--publish-checkpoint-root`` as a parameter.
 
 Runs never overlap (a publish run queues behind a refit, too). At start it
 schedules one run of ``refit-latest`` at once, so a new or restarted node
-catches up without waiting for the interval. Every flow run inherits the
-node's configuration (``node_environment``): a run started by hand with only
-catalog, model and target still refits this node's store into its engine.
+catches up without waiting for the interval. Every flow run runs with the
+node's own configuration (``deployments/pinning.py``): a run chooses its target
+and ``only_if_newer`` (and what ``--run-may-set`` opens); one that names another
+catalog, store, engine, endpoint or any other setting is refused without running,
+and one whose target is older than the installed version is refused unless
+``--allow-remote-rollback``.
 On SIGTERM or Ctrl-C the run in progress stops at its next safe point and
 the agent exits; runs that events create meanwhile wait, scheduled, until it
 is started again. See docs/operations.md.
@@ -42,11 +47,13 @@ import logging  # noqa: E402
 import time  # noqa: E402
 import sys  # noqa: E402
 from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Literal  # noqa: E402
 
-from pydantic import Field, ValidationError, field_validator  # noqa: E402
+from pydantic import Field, ValidationError, field_validator, model_validator  # noqa: E402
 from pydantic_settings import BaseSettings, SettingsConfigDict  # noqa: E402
 
+from deployments.pinning import MAY_BE_OPENED, RefitPins, publish_pins  # noqa: E402
 from flows.options import Flag, add_flags, build, given  # noqa: E402
 from storage.settings import RefitParams  # noqa: E402
 
@@ -109,6 +116,27 @@ class ServeSettings(BaseSettings):
     wake_on_events: bool = Field(True, description="wake the agent when a run of its deployments is scheduled, from "
                                                    "the server's event stream (one websocket per node), so that "
                                                    "triggered runs start at once; without it only the polls find them")
+    run_may_set: list[Literal[MAY_BE_OPENED]] = Field(
+        default_factory=list, description=f"a refit setting this node lets each run choose, besides target and "
+                                          f"only_if_newer: one of {', '.join(MAY_BE_OPENED)} (every other "
+                                          "parameter is pinned to this node's configuration: a run that sets one "
+                                          "otherwise is refused)")
+    allow_remote_rollback: bool = Field(
+        False, description="let a run of the control plane install a version older than the installed one (it is "
+                           "recorded as a rollback); refused by default")
+    publish: bool = Field(False, description="also register the publish deployment, which publishes from this "
+                                             "node's disk into its catalog (off by default: inference nodes do not "
+                                             "publish)")
+    publish_checkpoint_roots: list[Path] = Field(
+        default_factory=list, description="with --serve-publish: a folder the checkpoints of publish runs must lie "
+                                          "in (symlinks resolved)")
+
+    @model_validator(mode="after")
+    def _publish_has_roots(self) -> "ServeSettings":
+        if self.publish and not self.publish_checkpoint_roots:
+            raise ValueError("--serve-publish needs at least one --publish-checkpoint-root, the folders a publish "
+                             "run may read a checkpoint from")
+        return self
 
 
 def resource_id(model: str, version: str) -> str:
@@ -142,7 +170,7 @@ def on_publish_trigger(params: RefitParams, name_suffix: str = ""):
 
 
 def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
-    """The three runner deployments: refit-latest, refit-on-publish and publish."""
+    """The runner deployments: refit-latest, refit-on-publish, and publish with ``--serve-publish``."""
     from flows.publish import publish
     from flows.refit import refit
 
@@ -161,12 +189,29 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
         description=f"Refit {params.model} to each version announced by {EVENT}; older versions are skipped.",
         tags=TAGS,
     )
+    if not settings.publish:
+        return [latest, on_publish]
     trainer = publish.to_deployment(
         f"publish{suffix}",
-        description=f"Publish a checkpoint of {params.model} to {params.catalog} (pass the full params).",
+        description=f"Publish a checkpoint of {params.model} to {params.catalog}: pass catalog and model (this "
+                    f"node's) and a checkpoint under {', '.join(map(str, settings.publish_checkpoint_roots))}.",
         tags=TAGS,
     )
     return [latest, on_publish, trainer]
+
+
+def pinned_params(params: RefitParams, settings: ServeSettings) -> RefitParams:
+    """The node's refit configuration as its runs get it: its rollback policy is the agent's
+    (``--allow-remote-rollback``), whatever the environment says."""
+    return params.model_copy(update={"rollbacks": "allow" if settings.allow_remote_rollback else "refuse"})
+
+
+def run_vetting(params: RefitParams, settings: ServeSettings) -> dict:
+    """Flow name -> what turns a run's parameters into the ones it runs with (``deployments/pinning.py``)."""
+    vet = {"refit": RefitPins(pinned_params(params, settings), tuple(settings.run_may_set)).parameters_for}
+    if settings.publish:
+        vet["publish"] = publish_pins(params, settings.publish_checkpoint_roots).parameters_for
+    return vet
 
 
 NODE_FLAGS = [
@@ -178,15 +223,19 @@ NODE_FLAGS = [
 ]
 SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
                Flag("heartbeat_s", "--heartbeat-seconds"), Flag("zombie_after_s", "--zombie-after"),
-               Flag("wake_on_events", "--no-event-wakeups", invert=True), Flag("fan_out")]
+               Flag("wake_on_events", "--no-event-wakeups", invert=True), Flag("fan_out"), Flag("run_may_set"),
+               Flag("allow_remote_rollback"), Flag("publish", "--serve-publish"),
+               Flag("publish_checkpoint_roots", "--publish-checkpoint-root")]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.serve",
-        description="Register the refit-latest, refit-on-publish and publish deployments on the Prefect "
-                    "server named by PREFECT_API_URL and run their flow runs, one at a time. Settings not "
-                    "given as flags come from CANONICAL_REFIT_* environment variables.")
+        description="Register the refit-latest and refit-on-publish deployments (and publish, with --serve-publish) "
+                    "on the Prefect server named by PREFECT_API_URL (credentials: PREFECT_API_AUTH_STRING) and run "
+                    "their flow runs, one at a time, with this node's own configuration: a run chooses its target "
+                    "and only_if_newer; one that sets anything else is refused. Settings not given as flags come "
+                    "from CANONICAL_REFIT_* environment variables.")
     add_flags(parser, RefitParams, NODE_FLAGS)
     add_flags(parser, ServeSettings, SERVE_FLAGS)
     parser.add_argument("--print-params", action="store_true",
@@ -219,13 +268,11 @@ def _attach_suffix(argv: list[str]) -> list[str]:
 
 
 def node_environment(params: RefitParams) -> dict[str, str]:
-    """The node's configuration as ``CANONICAL_REFIT_*`` variables, for the flow runs this process starts.
+    """The node's configuration as ``CANONICAL_REFIT_*`` variables, for code the runs of this process start.
 
-    A deployment run's parameters may carry only catalog, model and target
-    (an ad-hoc run from the UI, or ``prefect deployment run --params``): the
-    run then fills in everything else — store, seed, quota, installer,
-    engines, object storage — from these, so it acts on this node's store and
-    engine. Secrets are not in ``params`` (the API key stays in the environment).
+    The runs themselves get the node's settings object (``run_vetting``), not
+    these: nothing a run's parameters leave out is read back from the
+    environment. Secrets are not in ``params`` (the API key stays in the environment).
     """
     env: dict[str, str] = {}
     values = params.model_dump(mode="json", exclude_unset=True)
@@ -286,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             f"refit-on-publish{settings.suffix_for(params.node)}", EVENT, resource_id(params.model, ""),
             lambda version: refit_parameters(params, target=version, only_if_newer=True))
     installer = make_installer(params.installer)  # one, for the heartbeats' questions to the engines
-    stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, poll_s=settings.poll_s,
+    stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, vet=run_vetting(params, settings),
+                             poll_s=settings.poll_s,
                              start_now=f"refit-latest{settings.suffix_for(params.node)}",
                              wake_on_events=settings.wake_on_events, heartbeat_s=settings.heartbeat_s,
                              heartbeat=lambda busy: node_report.refresh_node(params, installer, busy=busy),

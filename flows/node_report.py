@@ -73,7 +73,7 @@ def report_node(params: RefitParams, result: RefitResult, installer) -> NodeReco
                         bytes_fetched=next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0),
                         attempts=max(1, len(result.attempts)), updated_at_unix_ms=now, alive_at_unix_ms=now,
                         heartbeat_s=heartbeat_interval_s, target_version=attempted_version(params, result),
-                        transient=retryable_run(result), **seen)
+                        transient=retryable_run(result), rollback_from=result.rollback_from, **seen)
     with _writing:
         _write(params, record)
     _emit(params, record)

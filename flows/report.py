@@ -45,6 +45,7 @@ class RefitResult:
     installed_version: str | None = None
     next_step: str | None = None
     attempts: list[dict] = field(default_factory=list)  # every attempt of the run: status, error, seconds
+    rollback_from: str | None = None  # the run was a rollback: the installed version it went back from
 
     exception = None  # the error object itself, for Python callers (not part of the JSON)
 
@@ -80,6 +81,7 @@ def build_result(rx: Receiver, status: str, error: BaseException | None = None, 
             {"type": type(error).__name__, "message": str(error)} if error is not None else None),
         lineage=list(rx.ledger.lineage), activated=activated, notes=list(rx.ledger.notes),
         target=target, installed_version=active.version if active is not None else None, next_step=next_step,
+        rollback_from=rx.ledger.rollback_from,
     )
 
 
@@ -150,6 +152,8 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
              f"- catalog: `{rx.catalog.url}`", f"- target: `{params.target}`",
              f"- lineage replayed: {' -> '.join(f'`{v}`' for v in result.lineage) or 'none'}",
              f"- store: `{rx.store.root}`"]
+    if result.rollback_from:
+        lines += [f"- rollback: from `{result.rollback_from}`"]
     active = _readable(rx.store.active)
     if active is not None:
         lines += [f"- installed: `{active.version}` `{active.digest}` via `{active.installer}`"]
@@ -254,9 +258,11 @@ class PrefectReporter:
             create_table_artifact(key=artifact_key("stages", self.model),
                                   table=[r.row() for r in rx.ledger.stages.values()],
                                   description=f"refit of {self.model}: {outcome}"[:2000])
-            if not ok:
+            if not ok or result.rollback_from:  # a rollback is said so in a summary too
                 create_markdown_artifact(key=artifact_key("summary", self.model), markdown=summary_markdown(rx, result),
-                                         description=f"refit of {self.model}: {result.status}")
+                                         description=f"refit of {self.model}: {result.status}"
+                                                     + (f", a rollback from {result.rollback_from}"
+                                                        if result.rollback_from else ""))
             elif self._progress_id is not None:  # a failed run's progress stays where it stopped
                 update_progress_artifact(self._progress_id, progress=100.0)
         except Exception as exc:

@@ -210,3 +210,10 @@ class PoisonedError(InstallError):
 
 class ReceiverPoisoned(InstallError):
     """Installs are refused until ``recover`` re-installs a verified checkpoint."""
+
+
+# --- the control plane ----------------------------------------------------------
+
+
+class RollbackRefused(RefitError):
+    """A run's target is older than the installed revision and this node's configuration refuses rollbacks."""

@@ -154,6 +154,9 @@ class RefitParams(BaseSettings):
         False, description="do nothing when the target is not newer than the installed revision"
     )
     retries: int = Field(
+    rollbacks: Literal["allow", "refuse"] = Field(
+        "allow", description="a target older than the installed revision: install it (allow), or refuse the run "
+                             "before any download (refuse; what a node agent pins unless --allow-remote-rollback)")
         3, ge=0, le=20,
         description="whole-run retries after a transient failure (a storage outage); never after poison, "
                     "an interrupt or bad input")

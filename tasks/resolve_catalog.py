@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storage.catalog.records import Revision
-from storage.errors import LineageError, RefitError
+from storage.errors import LineageError, RefitError, RollbackRefused
 from tasks.installers.base import engine_reports
 from tasks.receiver import Receiver
 from tasks.stage import Stage
@@ -78,6 +78,8 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
                 return ReplayPlan(target, initial, (target,), True, skip=reason)
             rx.ledger.note(f"{installed.version} is recorded as installed, but {drift}: installing it again")
             target = installed  # what the node should run, even if the event that woke it was older
+    if active is not None and target.version != active.version:
+        rollback_checked(rx, active, target)
     local = {version: record.target_digest for version, record in rx.store.inventory().items()}
     lineage = rx.catalog.lineage(target, local)
     root = lineage[0]
@@ -94,6 +96,28 @@ def resolve_catalog(rx: Receiver) -> ReplayPlan:
             rx.ledger.note(f"the catalog's latest revision could not be found: {exc}")
     _note_quarantined(rx)
     return ReplayPlan(target, initial, tuple(lineage), root.version in local)
+
+
+def rollback_checked(rx: Receiver, active, target: Revision) -> None:
+    """A target older than the installed revision is a rollback: refused before any download where the
+    configuration says so (``rollbacks="refuse"``, a node agent's default), else recorded as one."""
+    try:
+        installed = rx.catalog.read(active.version)
+    except RefitError:
+        if rx.params.rollbacks == "refuse":  # cannot tell whether it is one: do not install it
+            raise
+        return
+    if installed.sequence <= target.sequence:
+        return
+    if rx.params.rollbacks == "refuse":
+        raise RollbackRefused(
+            f"target {target.version} (sequence {target.sequence}) is older than the installed "
+            f"{installed.version} (sequence {installed.sequence}): this node refuses rollbacks from its "
+            "control plane (its agent's --allow-remote-rollback allows them); nothing was downloaded",
+            revision=target.version, file=rx.catalog.record_url(target.version), field="target")
+    rx.ledger.rollback_from = installed.version
+    rx.ledger.note(f"rollback: from the installed {installed.version} (sequence {installed.sequence}) to "
+                   f"{target.version} (sequence {target.sequence})")
 
 
 def _note_quarantined(rx: Receiver) -> None:

@@ -87,6 +87,7 @@ class Ledger:
     lineage: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     log: Any = None  # the logger notes go to
+    rollback_from: str | None = None  # the installed version a rollback left (resolve catalog sets it)
 
     def record(self, name: str) -> StageRecord:
         return self.records.setdefault(name, StageRecord(name))

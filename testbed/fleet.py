@@ -69,8 +69,9 @@ class FleetLab:
 
     def __init__(self, root: Path, *, poll_s: float | None, shape=None, share: float | None = None,
                  api_url: str | None = None, spans: Path | None = None, log: Callable[[str], None] = print,
-                 scaled: int = 0, serve_args: tuple[str, ...] = ()):
+                 scaled: int = 0, serve_args: tuple[str, ...] = (), auth_string: str | None = None):
         self.root = Path(root)
+        self.auth_string = auth_string  # Prefect's basic authentication on the server and every client
         self.serve_args = tuple(serve_args)  # more flags of every node's deployments.serve (e.g. --fan-out agent)
         self.scaled = scaled  # API processes of a scaled-out server (Redis messaging, services apart); 0: one server
         self.poll_s, self.shape, self.share, self.log = poll_s, shape, share, log
@@ -100,13 +101,13 @@ class FleetLab:
                 self.server = ScaledPrefectServer(self.root / "server", self.database.url, apis=self.scaled).start()
                 what = f"{self.scaled} API processes and the services apart, on Redis messaging and PostgreSQL"
             else:
-                self.server = PrefectServer(self.root, self.database.url).start()
+                self.server = PrefectServer(self.root, self.database.url, auth_string=auth_string).start()
                 what = "one Prefect server process on PostgreSQL"
             self.api_url = self.server.url
             self.log(f"{what} (database {self.database.name}): healthy after {self.server.startup_s:.1f}s")
         os.environ.update(AWS)
         os.environ.update(PREFECT_API_URL=self.api_url, PREFECT_HOME=str(self.root / "trainer-home"),
-                          DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false")
+                          DO_NOT_TRACK="1", PREFECT_SERVER_ANALYTICS_ENABLED="false", **self._auth())
         from prefect.context import refresh_global_settings_context
 
         refresh_global_settings_context()
@@ -129,7 +130,10 @@ class FleetLab:
     def client(self):
         from prefect.client.orchestration import SyncPrefectClient
 
-        return SyncPrefectClient(self.api_url)
+        return SyncPrefectClient(self.api_url, auth_string=self.auth_string)
+
+    def _auth(self) -> dict[str, str]:
+        return {"PREFECT_API_AUTH_STRING": self.auth_string} if self.auth_string else {}
 
     def server_cpu(self) -> float:
         return self.server.cpu_seconds() if self.server else 0.0
@@ -144,7 +148,7 @@ class FleetLab:
         tap = self.hub.tap(urls[len(self.nodes) % len(urls)], name)  # nodes spread over the API processes
         proxy = FaultProxy(self.moto.url, Faults(), lifetime_s=24 * 3600).start()
         module = ("-m", "testbed.nodes", "agent", str(self.spans)) if self.spans else ("-m", "deployments.serve")
-        env = quiet_env(PREFECT_API_URL=tap.url, PREFECT_HOME=str(self.root / "homes" / name), **AWS)
+        env = quiet_env(PREFECT_API_URL=tap.url, PREFECT_HOME=str(self.root / "homes" / name), **AWS, **self._auth())
         node = NodeProcess(name, self.root / "nodes", self.catalog, self.model, self.trainer.launch, env,
                            s3_endpoint=proxy.url, poll_s=self.poll_s, agent_module=module, extra=self.serve_args)
         self.nodes[name], self.taps[name], self.proxies[name] = node, tap, proxy
@@ -220,7 +224,7 @@ class FleetLab:
                               diagnostics=lambda: "\n".join(n.diagnostics() for n in self.nodes.values()))
             done_at = time.time()
             event = wait_until(f"the published event of {version}", lambda: next(
-                (e for e in published_events(self.api_url, "2000-01-01T00:00:00Z")
+                (e for e in published_events(self.api_url, "2000-01-01T00:00:00Z", self.auth_string)
                  if e["resource"]["prefect.resource.id"].endswith(f".{version}")), None), 60, every_s=0.5)
             event_at = parse_time(event["occurred"])
             states = {name: {s.name: parse_time(s.timestamp) for s in client.read_flow_run_states(run.id)}

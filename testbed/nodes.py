@@ -57,9 +57,11 @@ class NodeProcess:
 
     @property
     def deployments(self) -> dict[str, str]:
-        """Short name -> full deployment name on the server."""
-        return {"latest": f"refit/refit-latest{self.suffix}", "on_publish": f"refit/refit-on-publish{self.suffix}",
-                "publish": f"publish/publish{self.suffix}"}
+        """Short name -> full deployment name on the server (publish only where the agent serves it)."""
+        names = {"latest": f"refit/refit-latest{self.suffix}", "on_publish": f"refit/refit-on-publish{self.suffix}"}
+        if "--serve-publish" in self.extra:
+            names["publish"] = f"publish/publish{self.suffix}"
+        return names
 
     def argv(self) -> list[str]:
         cmd = [PYTHON, *self.agent_module, "--node", self.name, f"--name-suffix={self.suffix}",

@@ -8,6 +8,10 @@ PostgreSQL database (``Postgres.url``: the fleet lab and the fleet test).
 ``start`` waits (bounded) for ``/api/health``; ``stop`` ends its process group
 (SIGTERM, a bounded wait, SIGKILL). It is also a context manager.
 ``cpu_seconds`` reads its CPU time, for the per-request costs in docs/fleet.md.
+With ``auth_string`` ("user:password") the server runs with Prefect's basic
+authentication (``PREFECT_SERVER_API_AUTH_STRING``); ``client_env`` and
+``client`` then carry the credentials (``PREFECT_API_AUTH_STRING``), and a
+request without them is answered 401 (``/api/health`` excepted).
 
 ``prefect_env`` gives a client process its own ``PREFECT_HOME`` (so nothing
 touches a developer's database) with analytics off.
@@ -45,8 +49,9 @@ class PrefectServer:
     None, on SQLite in its home. ``start``/``stop``, or a ``with`` block."""
 
     def __init__(self, root: Path, database_url: str | None = None, *, extra_env: dict[str, str] | None = None,
-                 args: tuple[str, ...] = ()):
+                 args: tuple[str, ...] = (), auth_string: str | None = None):
         self.root = Path(root)
+        self.auth_string = auth_string  # "user:password": Prefect's basic authentication on, for every client
         self.args = tuple(args)  # more `prefect server start` flags (e.g. --no-services)
         self.home = self.root / "server-home"
         self.log = self.root / "server.log"
@@ -63,7 +68,8 @@ class PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
         database = {"PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url} if self.database_url else {}
-        env = quiet_env(**{"PREFECT_HOME": str(self.home), "PREFECT_UI_ENABLED": "false", **database,
+        auth = {"PREFECT_SERVER_API_AUTH_STRING": self.auth_string} if self.auth_string else {}
+        env = quiet_env(**{"PREFECT_HOME": str(self.home), "PREFECT_UI_ENABLED": "false", **database, **auth,
                            **self.extra_env})
         started = time.monotonic()
         with open(self.log, "ab") as log:
@@ -100,9 +106,15 @@ class PrefectServer:
         return process_cpu_seconds(self.proc.pid)
 
     def client_env(self, home: Path, api_url: str | None = None, **extra: str) -> dict[str, str]:
-        """Environment of a client process of this server (own PREFECT_HOME; ``api_url`` e.g. a tap's)."""
+        """Environment of a client process of this server (own PREFECT_HOME; ``api_url`` e.g. a tap's; the
+        credentials when the server has authentication on)."""
         Path(home).mkdir(parents=True, exist_ok=True)
-        return quiet_env(PREFECT_API_URL=api_url or self.url, PREFECT_HOME=str(home), **extra)
+        auth = {"PREFECT_API_AUTH_STRING": self.auth_string} if self.auth_string else {}
+        return quiet_env(PREFECT_API_URL=api_url or self.url, PREFECT_HOME=str(home), **auth, **extra)
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of a request to this server's API (its basic authentication, if on)."""
+        return auth_headers(self.auth_string)
 
     def __enter__(self) -> "PrefectServer":
         return self.start()
@@ -113,7 +125,16 @@ class PrefectServer:
     def client(self):
         from prefect.client.orchestration import SyncPrefectClient
 
-        return SyncPrefectClient(self.url)
+        return SyncPrefectClient(self.url, auth_string=self.auth_string)
+
+
+def auth_headers(auth_string: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of Prefect's basic authentication for ``auth_string``; none for None."""
+    import base64
+
+    if not auth_string:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
 
 
 # -- reading runs back ---------------------------------------------------------------------------------------
@@ -146,13 +167,13 @@ def is_final(run) -> bool:
     return run.state_type is not None and run.state_type.value in FINAL_STATE_TYPES
 
 
-def published_events(client_url: str, since_iso: str) -> list[dict]:
+def published_events(client_url: str, since_iso: str, auth_string: str | None = None) -> list[dict]:
     """``canonical-refit.revision.published`` events the server has stored since ``since_iso`` (oldest first)."""
     import httpx
 
     body = {"filter": {"event": {"name": ["canonical-refit.revision.published"]},
                        "occurred": {"since": since_iso}, "order": "ASC"}, "limit": 50}
-    response = httpx.post(f"{client_url}/events/filter", json=body, timeout=10)
+    response = httpx.post(f"{client_url}/events/filter", json=body, timeout=10, headers=auth_headers(auth_string))
     response.raise_for_status()
     return response.json().get("events", [])
 

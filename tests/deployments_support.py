@@ -105,3 +105,74 @@ def delete_deployments(server: PrefectServer, names: list[str]) -> None:
                 client.delete_deployment(client.read_deployment_by_name(name).id)
             except ObjectNotFound:
                 pass
+
+
+class Listener:
+    """An outsider's HTTP endpoint on 127.0.0.1 that records every connection and request made to it (method,
+    path, headers) and answers 200: where a leaked URL or credential would arrive. A context manager."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        listener = self
+        self.connections = 0
+        self.requests: list[dict] = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _record(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                listener.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                                          "body": self.rfile.read(length) if length else b""})
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_POST = do_PUT = do_HEAD = do_DELETE = _record
+
+        class Server(ThreadingHTTPServer):
+            def verify_request(self, request, client_address):  # every connection, even one that sends nothing
+                listener.connections += 1
+                return True
+
+        self._server = Server(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def __enter__(self) -> "Listener":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def files_under(folder: Path) -> list[Path]:
+    """Every file below ``folder`` (none if it does not exist)."""
+    return sorted(p for p in Path(folder).rglob("*") if not p.is_dir()) if Path(folder).exists() else []
+
+
+def start_run(server: PrefectServer, deployment: str, params: dict) -> UUID:
+    """Create a flow run of ``deployment`` (its full name) with ``{"params": params}``, as anyone with access to
+    the API can; its id."""
+    with server.client() as client:
+        deployment_id = client.read_deployment_by_name(deployment).id
+        return client.create_flow_run_from_deployment(deployment_id, parameters={"params": params}).id
+
+
+def final_run(server: PrefectServer, run_id: UUID, timeout_s: float, diagnostics) -> object:
+    """The flow run once it reached a final state."""
+    def final():
+        with server.client() as client:
+            flow_run = client.read_flow_run(run_id)
+        return flow_run if flow_run.state_type and flow_run.state_type.value in FINAL_STATE_TYPES else None
+
+    return wait_until(f"flow run {run_id} to end", final, timeout_s, every_s=0.5, diagnostics=diagnostics)

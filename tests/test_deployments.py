@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = "{{ event.payload.version }}"
 FLAGS = ["--catalog", "file:///srv/catalog", "--model", "org/name", "--seed-checkpoint", "/models/launch",
          "--cache-dir", "/var/cache/refit"]
+PUBLISHING = ["--serve-publish", "--publish-checkpoint-root", "/srv/checkpoints"]  # the publish deployment's opt-in
 CONFIGURED = {"catalog": "file:///srv/catalog", "model": "org/name", "seed_checkpoint": "/models/launch",
               "cache_dir": "/var/cache/refit"}
 
@@ -49,7 +50,7 @@ def covers(trigger, event: str, resource: str) -> bool:
 
 
 def test_serve_builds_three_deployments_from_the_cli_settings():
-    params, settings, _ = parse_args(FLAGS + ["--interval", "600", "--node", "GPU_3"])
+    params, settings, _ = parse_args(FLAGS + PUBLISHING + ["--interval", "600", "--node", "GPU_3"])
     latest, on_publish, trainer = build_deployments(params, settings)
 
     # each node its own deployments, named after it (two nodes never claim each other's runs)
@@ -87,7 +88,7 @@ def test_the_environment_fills_in_what_the_flags_do_not_give(monkeypatch):
     params, settings, _ = parse_args(["--model", "org/flag"])  # a flag beats the environment
 
     deployments = build_deployments(params, settings)
-    assert [d.name for d in deployments] == ["refit-latest-gpu3", "refit-on-publish-gpu3", "publish-gpu3"]
+    assert [d.name for d in deployments] == ["refit-latest-gpu3", "refit-on-publish-gpu3"]  # no publish by default
     assert deployments[0].schedules[0].schedule.interval == timedelta(minutes=2)
     assert deployments[0].parameters["params"]["catalog"] == "s3://bucket/catalog"
     (trigger,) = deployments[1].triggers
@@ -98,7 +99,7 @@ def test_the_environment_fills_in_what_the_flags_do_not_give(monkeypatch):
 def test_secrets_stay_in_the_environment(monkeypatch):
     monkeypatch.setenv("CANONICAL_REFIT_INSTALLER_API_KEY", "not-in-the-database")
     params, settings, _ = parse_args(FLAGS + ["--installer", "sglang", "--engine-url", "http://127.0.0.1:30000"])
-    latest, on_publish, _ = build_deployments(params, settings)
+    latest, on_publish = build_deployments(params, settings)
 
     stored = json.dumps([latest.parameters, on_publish.triggers[0].parameters])
     assert "not-in-the-database" not in stored
@@ -144,7 +145,7 @@ def _yaml_config() -> dict:
 @pytest.mark.parametrize("suffix", [["--name-suffix", "-gpu3"], ["--name-suffix", "gpu3"], ["--name-suffix=-gpu3"],
                                     ["--node", "gpu3"]])
 def test_the_documented_name_suffix_forms_name_the_deployments_after_the_node(suffix):
-    params, settings, _ = parse_args(FLAGS + suffix)
+    params, settings, _ = parse_args(FLAGS + PUBLISHING + suffix)
     assert [d.name for d in build_deployments(params, settings)] == ["refit-latest-gpu3", "refit-on-publish-gpu3",
                                                                       "publish-gpu3"]
 
@@ -154,7 +155,7 @@ def test_prefect_yaml_defines_what_serve_defines(monkeypatch):
     monkeypatch.setenv("CANONICAL_REFIT_MODEL", "org/name")
     monkeypatch.setenv("CANONICAL_REFIT_NODE", "gpu3")
     config = _yaml_config()
-    params, settings, _ = parse_args(["--catalog", "file:///srv/catalog", "--model", "org/name"])
+    params, settings, _ = parse_args(["--catalog", "file:///srv/catalog", "--model", "org/name", *PUBLISHING])
     latest, on_publish, trainer = build_deployments(params, settings)
 
     assert list(config) == [latest.name, on_publish.name, trainer.name]

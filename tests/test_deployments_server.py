@@ -84,9 +84,10 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
     log = tmp_path / "serve.log"
     serve = spawn([PYTHON, "-m", "deployments.serve", "--catalog", catalog, "--model", MODEL,
                    "--seed-checkpoint", str(trainer.launch), "--cache-dir", str(cache), "--installer", "none",
-                   "--apply-workers", "2", "--poll-seconds", str(POLL_S), "--node", "lab1"], env, log)
+                   "--apply-workers", "2", "--poll-seconds", str(POLL_S), "--node", "lab1",
+                   "--allow-remote-rollback"], env, log)  # the rollback recipe below: this node allows it
     diagnostics = lambda: tail(log)  # noqa: E731
-    names = ["refit/refit-latest-lab1", "refit/refit-on-publish-lab1", "publish/publish-lab1"]
+    names = ["refit/refit-latest-lab1", "refit/refit-on-publish-lab1"]
     try:
         with server.client() as client:
             deployments = wait_until("serve to register its deployments", lambda: _deployments(client, names),
@@ -160,7 +161,8 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             assert first.state_name in ("Skipped", "Ready"), first.state.message
 
             # the README's rollback recipe: an ad-hoc run whose parameters carry only catalog, model and
-            # target acts on this node's store (seed, cache and installer come from the node)
+            # target acts on this node's store (seed, cache and installer come from the node); the node allows
+            # rollbacks (--allow-remote-rollback), and the run says it was one
             printed = run([PYTHON, "-m", "deployments.serve", "--print-params", "--catalog", catalog, "--model",
                            MODEL, "--target", "r0"], env).strip().splitlines()[-1]
             assert set(json.loads(printed)["params"]) == {"catalog", "model", "target", "only_if_newer"}
@@ -168,6 +170,7 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             rollback = wait_for_final_run(client, latest.id, "r0", 120, diagnostics)
             assert rollback.state_name == "Ready", rollback.state.message
             assert LocalStore(cache, MODEL).active().version == "r0"
+            assert "- rollback: from `r1`" in artifacts_of(client, rollback.id)["refit-summary-lab-tiny"].data
 
             # one flow run at a time: no two refits of the model overlapped
             runs = [r for d in (on_publish, latest) for r in refit_runs(client, d.id) if r.start_time]
@@ -196,7 +199,7 @@ def test_prefect_yaml_deploys_to_a_process_work_pool(server, tmp_path):
     worker_env = {**env, "CANONICAL_REFIT_SEED_CHECKPOINT": str(trainer.launch),
                   "CANONICAL_REFIT_CACHE_DIR": str(cache), "CANONICAL_REFIT_INSTALLER_KIND": "none",
                   "CANONICAL_REFIT_NODE": "yaml1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
-    names = ["refit/refit-latest-yaml1", "refit/refit-on-publish-yaml1", "publish/publish-yaml1"]
+    names = ["refit/refit-latest-yaml1", "refit/refit-on-publish-yaml1", "publish/publish-yaml1"]  # a worker pool
     worker = spawn([PREFECT, "worker", "start", "--pool", "canonical-refit", "--work-queue", "refit",
                     "--limit", "1"], worker_env, log)
     diagnostics = lambda: tail(log)  # noqa: E731
@@ -249,7 +252,7 @@ def test_cancelling_a_run_from_prefect_never_leaves_it_cancelling(server, tmp_pa
                    "--apply-workers", "2", "--poll-seconds", str(POLL_S)],
                   {**env, "CANONICAL_REFIT_KILLPOINT_GATE": f"{point}:{gate}"}, log)
     diagnostics = lambda: tail(log)  # noqa: E731
-    names = [f"refit/refit-latest-{node}", f"refit/refit-on-publish-{node}", f"publish/publish-{node}"]
+    names = [f"refit/refit-latest-{node}", f"refit/refit-on-publish-{node}"]
     try:
         with server.client() as client:
             deployments = wait_until("serve to register its deployments", lambda: _deployments(client, names),

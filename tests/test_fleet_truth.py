@@ -201,5 +201,4 @@ def test_the_documented_serve_command_parses_as_printed(form):
     params, settings, _ = parse_args(["--node", "gpu3", *form, "--catalog", "s3://bucket/models/org-name/catalog",
                                       "--model", "org/name", "--seed-checkpoint", "/models/launch",
                                       "--installer", "sglang", "--engine-url", "http://127.0.0.1:30000"])
-    assert [d.name for d in build_deployments(params, settings)] == ["refit-latest-gpu3", "refit-on-publish-gpu3",
-                                                                      "publish-gpu3"]
+    assert [d.name for d in build_deployments(params, settings)] == ["refit-latest-gpu3", "refit-on-publish-gpu3"]

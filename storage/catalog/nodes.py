@@ -68,6 +68,7 @@ class NodeRecord:
     heartbeat_s: float | None = None  # how often the node's agent refreshes the record; None: no agent
     target_version: str | None = None  # the version the last run's target resolved to; None: it never resolved
     transient: bool = False  # the last run failed on a transient error (storage down): a later run may succeed
+    rollback_from: str | None = None  # the last run was a rollback: the version it went back from
     schema: str = SCHEMA
 
     def to_json(self) -> dict:
