@@ -250,3 +250,18 @@ def test_a_fifo_in_the_catalog_does_not_hang_the_refit_cli(prefect_api, lab, tmp
     out = json.loads(proc.stdout)
     assert proc.returncode == 1 and out["status"] == "FAILED" and out["error_detail"]["revision"] == "r3"
     assert "regular file" in out["error"]
+
+
+def test_the_catalog_benchmark_runs_and_counts_the_same_requests_at_each_length(tmp_path):
+    out = tmp_path / "catalog.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.catalog", "--sizes", "4,40", "--backends", "file",
+                           "--repeat", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT_DIR,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["backends"]["file"]["catalogs"]
+    assert [row["records"] for row in rows] == [4, 40]
+    for operation, goal in result["backends"]["file"]["goals"].items():
+        assert goal["requests"][0] == goal["requests"][1] > 0, operation
+        assert isinstance(goal["met"], bool) and operation in proc.stdout
+    assert "python -m benchmarks.catalog --sizes 4,40" in result["command"]
