@@ -47,6 +47,7 @@ class _Job:
     name: str
     folder: Path
     bound: int | None = None  # most bytes the file may have (None: no local layout to bound it by)
+    tensors: tuple[str, ...] = ()  # the tensors the index maps to the file
 
     @property
     def url(self) -> str:
@@ -81,7 +82,7 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
            arrivals: Arrivals) -> Artifacts:
     folders, jobs, reused, reused_files = {}, [], 0, []
     version_bytes: dict[str, int] = {}
-    sizes = _tensor_sizes(rx, baseline, indexes)
+    missing: list[tuple[Manifest, str, str, Path, tuple[str, ...]]] = []
     for manifest in indexes.manifests:
         kind = DELTA if manifest.is_delta else FULL
         folder = rx.artifacts.folder(kind, manifest.version)
@@ -98,7 +99,10 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
                 reused_files.append((manifest.version, name))
                 version_bytes[manifest.version] = version_bytes.get(manifest.version, 0) + size
             else:
-                jobs.append(_Job(manifest, kind, name, folder, _bound(manifest, groups.get(name, ()), sizes)))
+                missing.append((manifest, kind, name, folder, tuple(groups.get(name, ()))))
+    sizes = _tensor_sizes(rx, baseline, indexes) if missing else None  # bounds only for what is fetched
+    jobs = [_Job(manifest, kind, name, folder, _bound(manifest, tensors, sizes), tensors)
+            for manifest, kind, name, folder, tensors in missing]
     workers = rx.params.storage.concurrency
     stop = arrivals.stop or rx.stop
     cancel = threading.Event()  # downloads in flight watch this
@@ -222,7 +226,7 @@ def _check_file(job: _Job, path: Path) -> None:
     """Strict header check right after download; a full shard must hold exactly its mapped tensors."""
     header = read_header(path, revision=job.manifest.version, file=job.url)
     if job.kind == FULL:
-        expected = set(job.manifest.tensors_of(job.name))
+        expected = set(job.tensors)
         for name in sorted(expected ^ set(header.tensors)):
             where = "is missing from the shard" if name in expected else "is in the shard but not in the index"
             raise ManifestError(f"tensor {where}", revision=job.manifest.version, file=job.url, tensor=name)
