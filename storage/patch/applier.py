@@ -48,6 +48,57 @@ def block_bounds(location: TensorLocation, block_size: int) -> list[tuple[int, i
     return [(a - start, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
+SMALL = 64 * 2**10  # a range below this is faulted in on touch and dropped in batches, not advised alone
+RELEASE_BATCH = 16 * 2**20  # bytes of small ranges a process keeps mapped before dropping them together
+RELEASE_GAP = 256 * 2**10  # small ranges this close are dropped by one call
+
+
+class _Releases:
+    """Small ranges to drop from the process (``MADV_DONTNEED``), batched.
+
+    A ``madvise`` call per tiny tensor costs more than the tensor (every call
+    takes the address space's lock, and dropping pages interrupts the other
+    threads to flush their TLBs), so ranges below ``SMALL`` are collected
+    and dropped together once ``RELEASE_BATCH`` bytes are waiting, sorted
+    and merged across gaps under ``RELEASE_GAP``. Dropping a page of a shared
+    mapping only unmaps it (its bytes stay in the page cache, dirty or not),
+    so a page another thread still uses is simply faulted in again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: list[tuple[int, int, int]] = []  # (mapping id, start, end)
+        self._views: dict[int, np.ndarray] = {}
+        self._bytes = 0
+
+    def add(self, view: np.ndarray, start: int, length: int) -> None:
+        with self._lock:
+            self._views.setdefault(id(view), view)
+            self._ranges.append((id(view), start, start + length))
+            self._bytes += length
+            if self._bytes < RELEASE_BATCH:
+                return
+            ranges, self._ranges, self._bytes = self._ranges, [], 0
+            views = dict(self._views)
+        self._drop(ranges, views)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ranges, self._views, self._bytes = [], {}, 0
+
+    @staticmethod
+    def _drop(ranges: list[tuple[int, int, int]], views: dict[int, np.ndarray]) -> None:
+        ranges.sort()
+        key, start, end = ranges[0]
+        for k, a, b in ranges[1:]:
+            if k == key and a - end <= RELEASE_GAP:
+                end = max(end, b)
+                continue
+            advise(views[key], start, end - start, MADV_DONTNEED)
+            key, start, end = k, a, b
+        advise(views[key], start, end - start, MADV_DONTNEED)
+
+
 class Maps:
     """The checkpoint's shards mapped writable; buckets read-only, mapped as they arrive."""
 
@@ -55,6 +106,7 @@ class Maps:
         self.shards = MappedFiles(folder, writable=True)
         self._lock = threading.Lock()
         self._buckets: dict[Path, MappedFiles] = {}
+        self._releases = _Releases()
 
     def _bucket(self, step: "PatchStep") -> np.ndarray:
         with self._lock:
@@ -65,11 +117,16 @@ class Maps:
 
     def frame(self, step: "PatchStep") -> memoryview:
         view = self._bucket(step)
-        advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
+        if step.end - step.start >= SMALL:
+            advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
         return memoryview(view)[step.start: step.end]
 
     def release_frame(self, step: "PatchStep") -> None:
-        advise(self._bucket(step), step.start, step.end - step.start, MADV_DONTNEED)
+        view = self._bucket(step)
+        if step.end - step.start >= SMALL:
+            advise(view, step.start, step.end - step.start, MADV_DONTNEED)
+        else:
+            self._releases.add(view, step.start, step.end - step.start)
 
     def block(self, location: TensorLocation, offset: int, size: int, pages: np.ndarray | bool = True
               ) -> np.ndarray:
@@ -77,6 +134,8 @@ class Maps:
         block, or True for all, False for none) writable, the rest readable."""
         view = self.shards.array(location.file)
         start = location.offset + offset
+        if size < SMALL:  # a few pages: faulting them on touch is cheaper than a call (and dirties the same ones)
+            return view[start: start + size]
         if pages is True:
             advise(view, start, size, MADV_POPULATE_WRITE)
         else:
@@ -88,10 +147,14 @@ class Maps:
         return view[start: start + size]
 
     def release_block(self, location: TensorLocation, offset: int, size: int) -> None:
-        self.shards.advise(location.file, location.offset + offset, size, MADV_DONTNEED)
+        if size < SMALL:
+            self._releases.add(self.shards.array(location.file), location.offset + offset, size)
+        else:
+            self.shards.advise(location.file, location.offset + offset, size, MADV_DONTNEED)
 
     def close(self) -> None:
         """Drop every mapping now (not at garbage collection): a mapping pins its filesystem."""
+        self._releases.clear()  # it holds views of the mappings: unmapping drops their pages anyway
         self.shards.close()
         with self._lock:
             buckets, self._buckets = list(self._buckets.values()), {}
