@@ -48,6 +48,7 @@ from tasks.plan_revision import PLAN_REVISION, Publication  # noqa: E402
 from tasks.publisher import Publisher, PublishResult  # noqa: E402
 from tasks.upload_payload import UPLOAD_PAYLOAD  # noqa: E402
 from tasks.write_record import EVENT, WRITE_RECORD, emit_published  # noqa: E402,F401 (re-exported)
+from flows.announce import announce  # noqa: E402
 from tasks.stage import in_flow_run, unpersisted_results  # noqa: E402
 from flows import heartbeats  # noqa: E402
 
@@ -280,9 +281,10 @@ def _upload_and_record(prepared: _Prepared) -> PublishResult:
         prepared.tmp.cleanup()
     if prepared.staged is not None:
         prepared.staged.commit()  # the record is written: this copy is the next delta's exact base
+    delivery = None
     if params.emit_event:
         if in_flow_run() or configured_api_url():
-            emit_published(record, catalog)
+            delivery = announce(record, catalog, budget_s=params.event_delivery_s)
         else:  # a trainer process without Prefect: nothing to announce to (nodes still find it by polling)
             log.info("no Prefect API configured: %s was published without the %s event", record.version, EVENT)
     if prepared.staged is None and params.keep_copy:
@@ -302,6 +304,7 @@ def _upload_and_record(prepared: _Prepared) -> PublishResult:
         bytes_per_s=round(plan.target.nbytes / seconds, 1) if seconds > 0 else 0.0,
         already_published=not created, attempts=attempts,
         stages=[r.summary() for r in pub.ledger.stages.values()],
+        event_delivered=delivery.delivered if delivery else None, event_error=delivery.error if delivery else None,
     )
 
 
@@ -310,6 +313,7 @@ PUBLISH_FLAGS = [
     Flag("base_version"), Flag("base_checkpoint"), Flag("state_dir"), Flag("keep_copy", invert=True),
     Flag("encoding"), Flag("checksum_format"), Flag("bucket_max_mib", "--bucket-mib"), Flag("zstd_level"),
     Flag("workers"), Flag("allow_unconditional_writes"), Flag("emit_event", "--no-event", invert=True),
+    Flag("event_delivery_s", "--event-delivery-seconds"),
     Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
     Flag("stage_retry_delay_s", "--stage-retry-delay"), Flag("storage.concurrency", "--upload-workers"),
     Flag("storage.endpoint_url", "--s3-endpoint-url"), Flag("rank"), Flag("world_size"), Flag("publication"),

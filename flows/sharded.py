@@ -43,7 +43,7 @@ from storage.settings import PublishParams
 from storage.urls import join_url
 from tasks.plan_revision import claim_sequence
 from tasks.publisher import Publisher, PublishResult
-from tasks.write_record import WRITE_RECORD, emit_published
+from tasks.write_record import WRITE_RECORD
 
 log = logging.getLogger("canonical_refit.publish")
 
@@ -75,12 +75,14 @@ def run_publish_part(params: PublishParams, *, source: MemoryCheckpoint | None =
                            params.part_timeout_s, poll_s, pub)
         if params.keep_copy:
             kept.keep(target, plan.version, plan.checksum_format, checksums, workers=params.workers)
+        delivery = None
         if rank == 0 and params.emit_event:
+            from flows.announce import announce
             from flows.prefect_api import configured_api_url
             from tasks.stage import in_flow_run
 
             if in_flow_run() or configured_api_url():
-                emit_published(record, pub.catalog)
+                delivery = announce(record, pub.catalog, budget_s=params.event_delivery_s)
         seconds = time.perf_counter() - started
         return PublishResult(
             version=record.version, sequence=record.sequence, payload_format=record.payload_format,
@@ -88,7 +90,8 @@ def run_publish_part(params: PublishParams, *, source: MemoryCheckpoint | None =
             encoding=plan.encoding, bytes_written=sum(part.files.values()), decoded_bytes=decoded,
             encoded_bytes=part.encoded_bytes, changed_tensors=len(part.weight_map) if plan.kind == "delta" else 0,
             files=len(part.files), seconds=round(seconds, 3), model_bytes=target.nbytes,
-            bytes_per_s=round(target.nbytes / seconds, 1) if seconds > 0 else 0.0)
+            bytes_per_s=round(target.nbytes / seconds, 1) if seconds > 0 else 0.0,
+            event_delivered=delivery.delivered if delivery else None, event_error=delivery.error if delivery else None)
     finally:
         pub.close()
 

@@ -245,6 +245,9 @@ class PublishParams(BaseSettings):
     )
     emit_event: bool = Field(True, description="emit canonical-refit.revision.published once the record is "
                                                "written")
+    event_delivery_s: float = Field(
+        30.0, ge=0, le=600, description="seconds to keep trying to deliver the published event while the Prefect "
+                                        "API does not confirm it (then the result says event_delivered: false)")
     retries: int = Field(3, ge=0, le=20,
                          description="retries of the upload and record write after a transient failure")
     retry_delay_s: float = Field(10.0, ge=0, le=3600,

@@ -42,6 +42,8 @@ class PublishResult:
     already_published: bool = False
     attempts: int = 1  # of the upload and record write (retried after transient failures)
     stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, attempts, status
+    event_delivered: bool | None = None  # the server confirmed the published event; None: no event was due
+    event_error: str | None = None  # why the event was not delivered (flows/announce.py)
 
 
 class Publisher:
