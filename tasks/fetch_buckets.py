@@ -14,7 +14,7 @@ from storage.killpoints import killpoint
 from storage.catalog.manifests import Manifest
 from storage.patch.pipeline import Arrivals
 from storage.store.quota import ensure_capacity
-from storage.format.safetensors import read_header
+from storage.format.safetensors import header_length, parse_header, read_header
 from tasks.receiver import Receiver
 from tasks.fetch_index import Indexes, _local_layout
 from tasks.resolve_catalog import ReplayPlan
@@ -186,11 +186,35 @@ def discard_rejected_artifact(rx: Receiver, indexes: Indexes, error: BaseExcepti
 
 
 def _tensor_sizes(rx: Receiver, baseline: Baseline, indexes: Indexes) -> dict[str, int] | None:
-    """Byte size of every local tensor (the layout the index stage checked the manifests against), or None."""
-    if not indexes.manifests:
-        return None
+    """Byte size of every tensor: the local layout the index stage checked the manifests against; on a node
+    with no checkpoint yet, the headers of the full revision's shards (ranged reads); else None."""
     layout = _local_layout(rx, baseline)
-    return None if layout is None else {name: nbytes for name, (_dtype, _shape, nbytes) in layout.items()}
+    if layout is not None:
+        return {name: nbytes for name, (_dtype, _shape, nbytes) in layout.items()}
+    return _shard_sizes(rx, indexes.full) if indexes.full is not None else None
+
+
+def _shard_sizes(rx: Receiver, manifest: Manifest) -> dict[str, int]:
+    """The tensors' byte sizes in the shards' own headers, read with two ranged reads a shard: each header is
+    checked against its object's size (nothing after the last tensor), so a shard's bound is its exact size."""
+    objects = rx.objects
+
+    def one(name: str) -> dict[str, int]:
+        url = manifest.file_url(name)
+        try:
+            size = objects.size(url)
+            prefix = objects.read_range(url, 0, min(8, size)) if size else b""
+            n = header_length(prefix, size, file=url, revision=manifest.version)
+            header = parse_header(objects.read_range(url, 8, 8 + n), n, size, file=url, revision=manifest.version)
+        except RefitError as exc:
+            raise exc.with_context(revision=manifest.version)
+        return {tensor: info.nbytes for tensor, info in header.tensors.items()}
+
+    sizes: dict[str, int] = {}
+    with ThreadPoolExecutor(max_workers=rx.params.storage.concurrency, thread_name_prefix="fetch") as pool:
+        for found in pool.map(one, manifest.files):
+            sizes.update(found)
+    return sizes
 
 
 def _bound(manifest: Manifest, tensors, sizes: dict[str, int] | None) -> int | None:

@@ -131,3 +131,56 @@ def test_on_s3_a_bucket_over_its_bound_is_refused_from_its_size_and_the_good_byt
     state, result = lab.refit(target="r2", cache_dir=cache, storage=settings)
     assert state.name == "Ready", result.error
     lab.assert_checkpoint(Path(result.checkpoint_path), "r2")
+
+
+def _bucket_folder(lab, version: str) -> Path:
+    record = json.loads((lab.catalog_dir / f"{version}.json").read_text())
+    return Path(record["uri"].removeprefix("file://")).parent
+
+
+def test_a_node_without_a_checkpoint_bounds_buckets_by_the_full_revisions_shard_headers(tmp_path):
+    from lab import Lab, tiny_shape
+
+    lab = Lab(tmp_path / "lab", shape=tiny_shape())
+    for kind in ("initial", "delta", "full", "delta"):
+        lab.publish(kind)
+    bucket = _bucket_folder(lab, "r3") / "bucket-00000.safetensors"
+    good = bucket.read_bytes()
+    index = json.loads((_bucket_folder(lab, "r3") / "delta.safetensors.index.json").read_text())
+    bound = documented_bound("xor", {t: lab.expected("r3")[t].nbytes for t in index["weight_map"]})
+    bucket.write_bytes(good + b"\0" * (bound - len(good) + 1))
+    state, result = lab.refit(target="r3", seed_checkpoint=None)  # no launch snapshot: from the full r2
+    assert state.name == "Failed" and result.status == "FAILED", result.error
+    error = result.exception
+    assert isinstance(error, SafetensorsError) and error.revision == "r3", repr(error)
+    assert error.file.endswith("r3/bucket-00000.safetensors") and f"{bound:,} bytes" in error.reason, error
+    assert not (lab.store_root / "deltas" / "r3" / "bucket-00000.safetensors").exists()
+    bucket.write_bytes(good)
+    state, result = lab.refit(target="r3", seed_checkpoint=None)
+    assert state.name == "Ready", result.error
+    assert result.lineage == ["r2", "r3"]
+    lab.assert_checkpoint(Path(result.checkpoint_path), "r3")
+
+
+def test_a_full_shard_with_bytes_after_its_last_tensor_is_refused_before_it_is_downloaded(tmp_path):
+    from lab import Lab, tiny_shape
+
+    lab = Lab(tmp_path / "lab", shape=tiny_shape())
+    lab.publish("initial")
+    lab.publish("delta")
+    assert lab.run(target="r1").status == "READY"
+    lab.publish("full")
+    shard = sorted(_bucket_folder(lab, "r2").glob("*.safetensors"))[0]
+    good = shard.read_bytes()
+    shard.write_bytes(good + b"\0" * 100)
+    state, result = lab.refit(target="r2")
+    assert state.name == "Failed" and result.status == "FAILED", result.error
+    error = result.exception
+    assert isinstance(error, SafetensorsError) and error.revision == "r2", repr(error)
+    assert error.file.endswith(f"r2/{shard.name}") and "100 byte(s) follow the last tensor" in error.reason, error
+    assert not (lab.store_root / "full" / "r2" / shard.name).exists(), "the refused shard was downloaded"
+    assert json.loads((lab.store_root / "active.json").read_text())["version"] == "r1"
+    shard.write_bytes(good)
+    result = lab.run(target="r2")
+    assert result.status == "READY", result.error
+    lab.assert_checkpoint(Path(result.checkpoint_path), "r2")

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lab import Lab, tiny_shape
-from storage.errors import NotRegularFile, StoreError
+from storage.errors import NotRegularFile, PermanentStorageError, StoreError
 from storage.objects.store import ObjectStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,6 +210,39 @@ def test_a_link_loop_in_the_launch_folder_is_a_typed_error_naming_file_and_revis
     result = lab.run(target="r1")
     assert result.status == "READY", result.error
     lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device", "folder", "loop"])
+def test_a_local_object_that_is_not_a_regular_file_is_refused_typed_without_blocking(tmp_path, kind):
+    path = tmp_path / "r5.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        os.chdir(tmp_path)
+        try:
+            sock.bind(path.name)
+        finally:
+            os.chdir(ROOT)
+    elif kind == "device":
+        if os.geteuid() != 0:
+            pytest.fail("making a device node needs root (as CI has)")
+        os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero: endless bytes if it were read
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        (tmp_path / "loop.json").symlink_to(path)
+        path.symlink_to(tmp_path / "loop.json")
+    url = f"file://{path}"
+    store = ObjectStore()
+    for read in (lambda: store.read_bytes(url, max_size=1 << 20), lambda: store.read_range(url, 0, 8),
+                 lambda: store.download(url, tmp_path / "copy")):
+        with pytest.raises(PermanentStorageError) as caught:
+            read()
+        assert caught.value.file == url, caught.value
+        if kind != "loop":
+            assert isinstance(caught.value, NotRegularFile), repr(caught.value)
+    assert not (tmp_path / "copy").exists() and store.stats.bytes_read == 0
 
 
 def test_a_fifo_as_a_bucket_is_refused_typed_and_the_installed_version_kept(node):
