@@ -26,6 +26,7 @@ REFIT_FLAGS = [
     Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
     Flag("stage_retry_delay_s", "--stage-retry-delay"), *INSTALLER_FLAGS,
     Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
+    Flag("trusted_keys", "--trusted-key"),
 ]
 RECOVER_FLAGS = [Flag("model"), Flag("cache_dir"), Flag("lock_timeout_s", "--lock-timeout"), *INSTALLER_FLAGS,
                  Flag("override_installer")]

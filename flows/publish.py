@@ -317,7 +317,7 @@ PUBLISH_FLAGS = [
     Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
     Flag("stage_retry_delay_s", "--stage-retry-delay"), Flag("storage.concurrency", "--upload-workers"),
     Flag("storage.endpoint_url", "--s3-endpoint-url"), Flag("rank"), Flag("world_size"), Flag("publication"),
-    Flag("part_timeout_s", "--part-timeout"),
+    Flag("part_timeout_s", "--part-timeout"), Flag("signing_key"),
 ]
 
 
@@ -385,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["orphans"]:
         return orphans_main(argv[1:])
+    if argv[:1] == ["keygen"]:
+        from storage.catalog.signing import keygen_main
+
+        return keygen_main(argv[1:])
     quiet_expected_errors()
     params, as_json = parse_args(argv)
     with prefect_api():

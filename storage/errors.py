@@ -145,6 +145,10 @@ class CatalogError(FormatError):
     """A catalog record breaks the rules of the revision schema."""
 
 
+class SignatureError(CatalogError):
+    """A node with trusted keys met a catalog record that is unsigned, signed by another key, or altered since."""
+
+
 class ManifestError(FormatError):
     """An index manifest is malformed or does not match its catalog record."""
 

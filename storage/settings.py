@@ -10,13 +10,14 @@ stored parameters.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from storage.retry import RetryPolicy
 
@@ -153,10 +154,10 @@ class RefitParams(BaseSettings):
     only_if_newer: bool = Field(
         False, description="do nothing when the target is not newer than the installed revision"
     )
-    retries: int = Field(
     rollbacks: Literal["allow", "refuse"] = Field(
         "allow", description="a target older than the installed revision: install it (allow), or refuse the run "
                              "before any download (refuse; what a node agent pins unless --allow-remote-rollback)")
+    retries: int = Field(
         3, ge=0, le=20,
         description="whole-run retries after a transient failure (a storage outage); never after poison, "
                     "an interrupt or bad input")
@@ -168,8 +169,32 @@ class RefitParams(BaseSettings):
     stage_retry_delay_s: float = Field(
         1.0, ge=0, le=3600, description="longest wait before the first stage retry (jittered), times 4 for each "
                                         "next one")
+    trusted_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Ed25519 public key whose signature this node accepts on catalog records: a key file's path, "
+                    "or the key inline (PEM, 'ssh-ed25519 ...' or 32 bytes of base64); several for a key rotation "
+                    "(environment: a JSON array or commas). With any, a record that is unsigned, signed by another "
+                    "key or altered after signing is refused before a payload byte is downloaded (docs/format.md, "
+                    "4.10); without, records are not verified")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
     installer: InstallerSettings = Field(default_factory=InstallerSettings)
+
+    @field_validator("trusted_keys", mode="before")
+    @classmethod
+    def _trusted_keys_list(cls, value):
+        if isinstance(value, str):  # the environment: a JSON array, or keys separated by commas
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else [k for k in text.split(",") if k.strip()]
+        return value
+
+    @field_validator("trusted_keys")
+    @classmethod
+    def _trusted_keys_load(cls, value: list[str]) -> list[str]:
+        from storage.keys import load_public_key
+
+        for entry in value:
+            load_public_key(entry)  # a ValueError naming the entry: a node never runs with a key it cannot read
+        return value
 
     def stage_retry_policy(self) -> RetryPolicy:
         """Retries of a read-only stage, inside the stage (its state and timing stay one task run)."""
@@ -266,6 +291,10 @@ class PublishParams(BaseSettings):
                                                 "once every rank's part is there")
     part_timeout_s: float = Field(600.0, gt=0, description="how long a rank waits for the plan, the other "
                                                            "ranks' parts and the record")
+    signing_key: Path | None = Field(
+        None, description="Ed25519 private key file that signs every catalog record this publisher writes (PEM, "
+                          "OpenSSH or 32 bytes of base64; `python -m flows.publish keygen --out DIR` makes a pair; "
+                          "docs/format.md, 4.10); without, records are unsigned")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
 
     def stage_retry_policy(self) -> RetryPolicy:
@@ -280,6 +309,15 @@ class PublishParams(BaseSettings):
     @classmethod
     def _url_form(cls, value: str | None) -> str | None:
         return None if value is None else _valid_url(value)
+
+    @field_validator("signing_key")
+    @classmethod
+    def _signing_key_load(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            from storage.keys import load_private_key
+
+            load_private_key(value)  # a ValueError naming the file, before anything is published
+        return value
 
     @model_validator(mode="after")
     def _one_rank_of_a_publication(self) -> "PublishParams":

@@ -10,6 +10,8 @@ from typing import Iterator
 
 from storage.cancel import StopToken, current_stop
 from storage.catalog.records import Catalog
+from storage.catalog.signing import RecordSigner
+from storage.errors import SignatureError
 from storage.objects.store import ObjectStore
 from storage.settings import PublishParams
 from storage.urls import join_url, parent_url
@@ -46,13 +48,24 @@ class PublishResult:
     event_error: str | None = None  # why the event was not delivered (flows/announce.py)
 
 
+def signer(params: PublishParams):
+    """What signs this publisher's records (``signing_key``), or None: records are unsigned."""
+    if params.signing_key is None:
+        return None
+    try:
+        return RecordSigner.from_file(params.signing_key).sign
+    except ValueError as exc:
+        raise SignatureError(f"the signing key cannot be used: {exc}", file=str(params.signing_key),
+                             field="signing_key") from None
+
+
 class Publisher:
     """One publication's run: what its stages share (no Prefect here)."""
 
     def __init__(self, params: PublishParams, *, stop: StopToken | None = None):
         self.params = params
         self.objects = ObjectStore.shared(params.storage)
-        self.catalog = Catalog(self.objects, params.catalog, params.model)
+        self.catalog = Catalog(self.objects, params.catalog, params.model, sign=signer(params))
         self.stop = (stop or current_stop.get()).child()
         self.ledger = Ledger(PUBLISH_STAGES, log=log)
         self.publication = uuid.uuid4().hex  # this run's token: its sequence claim and nothing else's

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 from storage.store.artifacts import ArtifactCache
 from storage.cancel import StopToken, current_stop
 from storage.catalog.records import Catalog
+from storage.catalog.signing import RecordVerifier
 from storage.durable import remove_tree
 from storage.killpoints import killpoint
 from storage.store.local_store import LocalStore
@@ -56,7 +57,8 @@ class Receiver:
         self.artifacts = ArtifactCache(self.store)
         self._objects = ObjectStore.shared(params.storage)
         self._stage_view = threading.local()  # fetch and apply run at once: each stage counts its own requests
-        self.catalog = Catalog(self._objects, params.catalog, params.model, cache_dir=self.store.catalog_dir)
+        self.catalog = Catalog(self._objects, params.catalog, params.model, cache_dir=self.store.catalog_dir,
+                               verify=RecordVerifier.from_settings(params.trusted_keys))
         self.ledger = Ledger(STAGE_ORDER, log=log)
         self.report_progress = progress
         self.installer = installer
