@@ -78,7 +78,8 @@ _WHEN_SET = (("seed_checkpoint", "--seed-checkpoint"), ("initial_version", "--in
              ("lock_timeout_s", "--lock-timeout"), ("apply_workers", "--apply-workers"),
              ("storage.concurrency", "--fetch-workers"), ("retries", "--retries"),
              ("retry_delay_s", "--retry-delay"), ("stage_retries", "--stage-retries"),
-             ("stage_retry_delay_s", "--stage-retry-delay"))
+             ("stage_retry_delay_s", "--stage-retry-delay"), ("trusted_keys", "--trusted-key"))
+REPEATED_OPTIONS = _ALWAYS + _WHEN_SET  # every flag of python -m flows.refit (tests/test_next_lines.py checks)
 
 
 def refit_command(params: RefitParams) -> str:
@@ -88,6 +89,8 @@ def refit_command(params: RefitParams) -> str:
     for path, flag in _ALWAYS:
         parts.append(f"{flag} {_quoted(_value(params, path))}")
     for path, flag in _WHEN_SET:
+        if not _has(params, path):  # a setting this version does not have
+            continue
         value, default = _value(params, path), _default(params, path)
         if value == default or value is None:
             continue
@@ -102,6 +105,12 @@ def refit_command(params: RefitParams) -> str:
 
 def _quoted(value) -> str:
     return shlex.quote(str(value))
+
+
+def _has(params, path: str) -> bool:
+    *parents, name = path.split(".")
+    owner = _value(params, ".".join(parents)) if parents else params
+    return name in type(owner).model_fields
 
 
 def _value(params, path: str):

@@ -96,3 +96,10 @@ def test_the_repeated_command_carries_every_option_the_run_had_and_no_secret():
     assert shlex.split(plain)[3:] == ["--catalog", "file:///srv/catalog", "--model", "org/name", "--node", "gpu-7",
                                       "--cache-dir", str(RefitParams.model_fields["cache_dir"].default),
                                       "--target", "latest"]  # defaults are not repeated
+
+
+def test_every_flag_of_the_refit_command_is_repeated_when_the_run_had_it():
+    from flows.cli import REFIT_FLAGS
+    from flows.outcome import REPEATED_OPTIONS
+
+    assert sorted((f.path, f.option()) for f in REFIT_FLAGS) == sorted(REPEATED_OPTIONS)
