@@ -19,9 +19,10 @@ executed: nothing is downloaded, written or installed.
 
 A publish run (only where the agent serves the publish deployment,
 ``--serve-publish``) may choose how to publish, but not where to: its catalog,
-model, object storage, payload location and the publisher's own state folder
-are the agent's, and its checkpoint (and base checkpoint) must lie, symlinks
-resolved, inside one of the agent's ``--publish-checkpoint-root`` folders.
+model, object storage, payload location, the publisher's own state folder and
+its signing key are the agent's, and its checkpoint (and base checkpoint) must
+lie, symlinks resolved, inside one of the agent's ``--publish-checkpoint-root``
+folders.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ MAY_BE_OPENED = ("verify", "activate", "apply_workers", "lock_timeout_s", "retri
                  "stage_retries", "stage_retry_delay_s")
 NEVER_FROM_A_RUN = {("installer", "api_key")}  # secrets: refused even when equal (no probing by comparison)
 # what a publish run may not change: where the revision goes and with which credentials, and the publisher's state
-PUBLISH_PINNED = ("catalog", "model", "storage", "payload_url", "state_dir", "allow_unconditional_writes")
+PUBLISH_PINNED = tuple(name for name in ("catalog", "model", "storage", "payload_url", "state_dir",
+                                         "allow_unconditional_writes", "signing_key")
+                       if name in PublishParams.model_fields)  # the signing key: the agent's own, or none
 PUBLISH_PATHS = ("checkpoint", "base_checkpoint")  # read from the node's disk: inside a checkpoint root only
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from deployments_support import Listener, files_under, final_run, start_run
+from deployments_support import Listener, artifacts_of, files_under, final_run, start_run
 from s3_support import aws_environment, s3  # noqa: F401 (the fixture)
 from storage.urls import normalize_url
 from testbed.nodes import NodeProcess
@@ -187,8 +187,6 @@ def test_a_remote_rollback_is_refused_unless_the_node_allows_it(plane):
     rollback = plane.run(node, "latest", {**mine, "target": "r0"})
     assert (rollback.state_type.value, rollback.state_name) == ("COMPLETED", "Ready"), rollback.state
     assert node.active_version() == "r0"
-    from deployments_support import artifacts_of
-
     with plane.server.client() as client:
         summary = artifacts_of(client, rollback.id)["refit-summary-lab-guarded"]
     assert f"- rollback: from `{start}`" in summary.data

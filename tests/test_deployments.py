@@ -175,3 +175,98 @@ def test_prefect_yaml_defines_what_serve_defines(monkeypatch):
     assert spec["enabled"] is True
     queues = {name: d["work_pool"]["work_queue_name"] for name, d in config.items()}
     assert queues == {"refit-latest-gpu3": "refit", "refit-on-publish-gpu3": "refit", "publish-gpu3": "publish"}
+
+
+# -- what a run may choose (deployments/pinning.py); tests/test_control_plane.py runs the agent ------------------
+
+
+def _changed(name: str, value):
+    """A valid value of a RefitParams field other than ``value``."""
+    return {"catalog": "file:///elsewhere", "model": "org/other", "node": "someone-else", "initial_version": "r9",
+            "seed_checkpoint": "/tmp/other", "cache_dir": "/tmp/other", "verify": "full", "rollbacks": "allow",
+            "trusted_keys": ["/tmp/other.pub"]}.get(name, (not value) if isinstance(value, bool) else
+                                                    (value + 1) if isinstance(value, (int, float)) else "other")
+
+
+def test_a_refit_run_chooses_its_target_and_nothing_else(monkeypatch):
+    from deployments.pinning import RUN_CHOOSES, RunRefused
+    from deployments.serve import run_vetting
+
+    monkeypatch.setenv("CANONICAL_REFIT_INSTALLER_API_KEY", "the-admin-key")
+    params, settings, _ = parse_args(FLAGS + ["--installer", "sglang", "--engine-url", "http://127.0.0.1:30000"])
+    vet = run_vetting(params, settings)["refit"]
+    own = params.model_dump(mode="json", exclude={"storage", "installer"})
+    for name in RefitParams.model_fields:
+        if name in RUN_CHOOSES or name in ("storage", "installer"):
+            continue
+        with pytest.raises(RunRefused) as refused:
+            vet({"params": {"catalog": params.catalog, "model": params.model, name: _changed(name, own.get(name))}})
+        assert refused.value.offending == [f"params.{name}"], name
+    for nested, values in (("storage", {"endpoint_url": "http://127.0.0.1:1", "region": "x", "anonymous": True}),
+                           ("installer", {"kind": "sglang-disk", "engine_urls": ["http://127.0.0.1:1"],
+                                          "api_key": "the-admin-key", "timeout_s": 1.0})):
+        with pytest.raises(RunRefused) as refused:
+            vet({"params": {**CONFIGURED, nested: values}})
+        assert refused.value.offending == [f"params.{nested}.{k}" for k in values]  # the key: even when equal
+    with pytest.raises(RunRefused) as refused:
+        vet({"params": {**CONFIGURED, "target": "r1", "catalogue": "x"}, "other": 1})
+    assert refused.value.offending == ["other (unknown)", "params.catalogue (unknown)"]
+
+    # the node's own values are no change; the run gets the node's settings object, the key and the policy included
+    ran = vet({"params": {**CONFIGURED, "cache_dir": "/var/cache/refit/", "installer": {"kind": "sglang"},
+                          "target": "r3", "only_if_newer": True}})["params"]
+    assert (ran.target, ran.only_if_newer, ran.installer.api_key, ran.rollbacks) == ("r3", True, "the-admin-key",
+                                                                                     "refuse")
+    assert ran.installer.engine_urls == ["http://127.0.0.1:30000"] and ran.cache_dir == Path("/var/cache/refit")
+    with pytest.raises(RunRefused, match=r"params\.target"):
+        vet({"params": {**CONFIGURED, "target": "../r1"}})
+
+
+def test_the_agent_opens_fields_and_rollbacks_only_when_told(monkeypatch):
+    from deployments.pinning import RunRefused
+    from deployments.serve import run_vetting
+
+    monkeypatch.setenv("CANONICAL_REFIT_ROLLBACKS", "allow")  # the environment does not decide for the agent
+    params, settings, _ = parse_args(FLAGS + ["--run-may-set", "verify", "--allow-remote-rollback"])
+    ran = run_vetting(params, settings)["refit"]({"params": {**CONFIGURED, "verify": "full", "target": "r1"}})
+    assert (ran["params"].verify, ran["params"].rollbacks) == ("full", "allow")
+    params, settings, _ = parse_args(FLAGS)
+    assert run_vetting(params, settings)["refit"]({"params": CONFIGURED})["params"].rollbacks == "refuse"
+    with pytest.raises(RunRefused):
+        run_vetting(params, settings)["refit"]({"params": {**CONFIGURED, "verify": "full"}})
+    assert "publish" not in run_vetting(params, settings)
+
+
+@pytest.mark.parametrize("flags", [["--run-may-set", "catalog"], ["--run-may-set", "cache_dir"], ["--serve-publish"]])
+def test_opening_a_pinned_setting_or_publishing_without_roots_is_a_usage_error(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(FLAGS + flags)
+    assert exit_info.value.code == 2
+    assert ("run_may_set" in capsys.readouterr().err) if "--run-may-set" in flags else True
+
+
+def test_a_publish_run_reads_only_under_the_checkpoint_roots(tmp_path):
+    from deployments.pinning import RunRefused
+    from deployments.serve import run_vetting
+
+    root, elsewhere = tmp_path / "checkpoints", tmp_path / "node-store"
+    (root / "step-1").mkdir(parents=True)
+    (root / "step-1" / "model.safetensors").write_bytes(b"x")
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"secret weights")
+    (root / "link").symlink_to(elsewhere, target_is_directory=True)
+    (root / "step-2").mkdir()
+    (root / "step-2" / "model.safetensors").symlink_to(elsewhere / "model.safetensors")
+    params, settings, _ = parse_args(FLAGS + ["--serve-publish", "--publish-checkpoint-root", str(root)])
+    vet = run_vetting(params, settings)["publish"]
+    mine = {"catalog": params.catalog, "model": params.model}
+    ran = vet({"params": {**mine, "checkpoint": str(root / "step-1"), "kind": "full"}})["params"]
+    assert (ran.checkpoint, ran.kind, ran.state_dir) == (root / "step-1", "full", Path("/var/cache/refit/publisher"))
+    for checkpoint in (elsewhere, root / "link", root / "step-2", root / ".." / "node-store"):
+        with pytest.raises(RunRefused) as refused:
+            vet({"params": {**mine, "checkpoint": str(checkpoint)}})
+        assert refused.value.offending == ["params.checkpoint (outside the checkpoint roots)"], checkpoint
+    with pytest.raises(RunRefused) as refused:
+        vet({"params": {**mine, "catalog": "file:///elsewhere", "checkpoint": str(root / "step-1"),
+                        "state_dir": str(tmp_path), "payload_url": "file:///elsewhere/payload"}})
+    assert refused.value.offending == ["params.catalog", "params.state_dir", "params.payload_url"]
