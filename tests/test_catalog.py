@@ -279,3 +279,13 @@ def test_a_transient_error_is_not_a_quarantine(catalog, monkeypatch):
     with pytest.raises(TransientStorageError):
         fresh.latest()
     assert fresh.quarantined == {}
+
+
+def test_a_missing_target_is_explained_from_the_newest_claims_without_a_listing(catalog, monkeypatch):
+    _chain(catalog, 12)
+    fresh = Catalog(catalog.store, catalog.url, MODEL)
+    monkeypatch.setattr(fresh.store, "list_names", lambda *a, **k: pytest.fail("listed the catalog"))
+    with pytest.raises(CatalogError) as info:
+        fresh.resolve("r99")
+    assert "latest is r12" in str(info.value) and "versions: r5, r6, r7, r8, r9, r10, r11, r12" in str(info.value)
+    assert info.value.revision == "r99"

@@ -497,11 +497,27 @@ class Catalog:
         try:
             return self.read(target)
         except ObjectNotFound:
-            records = self.list()
-            known = ", ".join(r.version for r in records[-8:]) or "none"
+            records = self._recent(8)
+            known = ", ".join(r.version for r in records) or "none"
             latest = records[-1].version if records else "none"
             raise CatalogError(f"revision {target} is not in the catalog {self.url} (its latest is {latest}; "
                                f"versions: {known})", revision=target, file=self.record_url(target)) from None
+
+    def _recent(self, count: int) -> list[Revision]:
+        """Some of the newest valid records, oldest first (for a message): the claims below ``latest`` (at most
+        ``4 * count`` of them read), or a catalog without claims listed."""
+        head = self.head()
+        if head is None or self.top_claim is None:
+            return self.list()[-count:]
+        out = [head]
+        for sequence in range(head.sequence - 1, max(-1, head.sequence - 1 - 4 * count), -1):
+            exists, holder = self._claim(sequence)
+            if not exists or len(out) >= count:
+                break
+            record = self._usable(holder) if holder is not None else None
+            if record is not None and record.sequence == sequence:
+                out.append(record)
+        return out[::-1]
 
     def _empty(self) -> CatalogError:
         bad = f" ({len(self.quarantined)} malformed record(s) quarantined)" if self.quarantined else ""
