@@ -3,7 +3,7 @@
 No Prefect here. The rooms, and which way imports go (``tests/test_layers.py`` enforces it):
 
     storage/               cross-cutting: errors, settings, retry, cancel, killpoints, urls, durable, canonical,
-                           bounded_json
+                           bounded_json, keys
                            (imported by every room; import none of them)
     storage/format/        bytes and their rules: safetensors, zstd frames, delta codecs, digests, checkpoints
     storage/objects/       object storage through fsspec: the store, ranged/resumable transfers, multipart, errors

@@ -180,14 +180,18 @@ def generate(out: Path) -> tuple[Path, Path, str]:
     return paths[0], paths[1], key_id(key.public_key())
 
 
-def keygen_main(argv: list[str], prog: str = "python -m flows.publish keygen") -> int:
-    """Generate a signing key pair; prints where it went, its key id and the public key inline."""
+def keygen_parser(prog: str = "python -m flows.publish keygen") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=(
         "Generate an Ed25519 key pair for signed catalog records: the private key for the publisher's "
         "--signing-key, the public key (a file, or the printed inline form) for each node's --trusted-key."))
     parser.add_argument("--out", required=True, help="folder for the two PEM files (created; nothing is overwritten)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def keygen_main(argv: list[str], prog: str = "python -m flows.publish keygen") -> int:
+    """Generate a signing key pair; prints where it went, its key id and the public key inline."""
+    args = keygen_parser(prog).parse_args(argv)
     try:
         private, public, kid = generate(Path(args.out))
     except (OSError, ValueError) as exc:
