@@ -360,3 +360,18 @@ def test_the_cli_refuses_deep_records_and_indexes_and_still_installs_a_good_revi
     rc, out, err = _cli(world, cache, "--target", "d2")
     assert rc == 0 and out["status"] == "READY" and out["version"] == "d2", (out, err)
     world.lab.assert_checkpoint(Path(out["checkpoint_path"]), "d2")
+
+
+def test_a_validation_error_becomes_the_typed_error_naming_object_and_field():
+    from pydantic import BaseModel, ValidationError
+
+    class Claim(BaseModel):
+        version: str
+        sequence: int
+
+    with pytest.raises(ValidationError) as caught:
+        Claim.model_validate(load_json(b'{"version": "r1", "sequence": "x"}', RECORD))
+    err = bounded_json.validation_error(caught.value, CatalogError, what="sequence claim", file="s/1.json",
+                                        revision="r1")
+    assert isinstance(err, CatalogError) and (err.field, err.file, err.revision) == ("sequence", "s/1.json", "r1")
+    assert str(err).startswith("invalid sequence claim: ")
