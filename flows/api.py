@@ -5,7 +5,7 @@
     published = api.publish("/ckpt/step-42", catalog=CATALOG, model="org/name")     # trainer side
     published = api.publish(weights, catalog=CATALOG, model="org/name")  # ... or {name: CPU tensor}
     result = api.refit(catalog=CATALOG, model="org/name", seed_checkpoint="/models/launch")  # a node
-    api.wait_for(published.version, catalog=CATALOG, model="org/name", nodes=8, timeout_s=300)
+    api.wait_for(published.version, catalog=CATALOG, model="org/name", nodes=8, timeout_s=300)  # or VersionFailed
 
 Everything here runs the same runbooks as the command lines and the
 deployments. Inside a Prefect flow run their stages are tasks of that run;
@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from flows.fleet import FleetView, WaitOutcome, fleet_status, forget, wait_for
+from flows.fleet import FleetView, VersionFailed, WaitOutcome, fleet_status, forget, wait_for
 from flows.report import READY, SKIPPED, RefitResult
 from storage.catalog.records import Revision
 from storage.errors import RefitError
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from flows.publish import PendingPublish, PublishResult
 
 __all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "forget", "FleetView", "WaitOutcome", "RefitResult",
-           "Revision"]
+           "Revision", "VersionFailed"]
 
 
 def _nested(values: dict, name: str, model: type, given) -> None:

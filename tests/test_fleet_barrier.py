@@ -17,7 +17,6 @@ import threading
 import pytest
 
 from flows import api
-from flows.fleet import VersionFailed
 from flows.fleet import main as fleet_main
 
 
@@ -93,7 +92,7 @@ def test_a_node_still_on_its_way_keeps_the_barrier_open(broken, capsys):
 
 def test_wait_for_raises_version_failed_carrying_the_outcome(broken):
     lab = broken
-    with pytest.raises(VersionFailed) as raised:
+    with pytest.raises(api.VersionFailed) as raised:
         api.wait_for("r2", catalog=lab.catalog, model=lab.model, timeout_s=60)
     error = raised.value
     assert error.revision == "r2" and error.outcome.outcome == "failed" and sorted(error.failures) == ["a", "b", "c"]
