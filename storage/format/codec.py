@@ -18,7 +18,8 @@ import numpy as np
 
 from storage.format.changes import DenseChange, SparseChange
 from storage.errors import CodecError
-from storage.format.frames import _HEADER, ValidatedFrame, _expect_output, _Reader, inspect_frame
+from storage.format.frames import (_HEADER, SMALL_FRAME, ValidatedFrame, _expect_output, _Reader, decode_small,
+                                   inspect_frame)
 from storage.format.gaps import GAPS, gaps_record, validate_gaps
 from storage.format.sparse import SparseOverwrite, SparseXor, validate_sparse
 
@@ -83,12 +84,22 @@ class DenseXor:
         self.nbytes = nbytes
         if validated is None:
             _expect_output(inspect_frame(frame, **context), nbytes, **context)
-        self._reader = _Reader(frame, context)
-        self._scratch = np.empty(min(block_size, max(nbytes, 1)), dtype=np.uint8)
+        # a tiny tensor (one block) is decoded in one call; a frame that does not decode cleanly to exactly
+        # its bytes goes through the streaming reader, which names the problem at the block it shows up in
+        whole = decode_small(frame, nbytes) if nbytes <= min(SMALL_FRAME, block_size) else None
+        self._whole = None if whole is None else np.frombuffer(whole, dtype=np.uint8)
+        self._reader = _Reader(frame, context) if whole is None else None
+        self._scratch = np.empty(min(block_size, max(nbytes, 1)), dtype=np.uint8) if whole is None else None
         # a frame this large changes nearly every page: do not look for unchanged pages
         self._all_pages = memoryview(frame).nbytes > nbytes * DENSE_PAGES_RATIO
 
     def changes(self, offset: int, size: int) -> DenseChange:
+        if self._whole is not None:
+            got = max(0, min(size, self.nbytes - offset))
+            if got != size:
+                raise CodecError(f"dense frame decodes to only {offset + got} bytes, the tensor has {self.nbytes}",
+                                 **self.context)
+            return DenseChange(self._whole[offset: offset + size], self._all_pages)
         if size > self._scratch.size:  # a caller's block larger than promised: grow once
             self._scratch = np.empty(size, dtype=np.uint8)
         scratch = self._scratch[:size]
@@ -103,6 +114,8 @@ class DenseXor:
         self.changes(offset, block.size).apply(block)
 
     def finish(self) -> None:
+        if self._reader is None:
+            return  # decoded whole: exactly the tensor's bytes
         try:
             if not self._reader.at_end():
                 raise CodecError(f"dense frame decodes to more than the tensor's {self.nbytes} bytes", **self.context)
@@ -110,7 +123,8 @@ class DenseXor:
             self._reader.close()
 
     def close(self) -> None:
-        self._reader.close()
+        if self._reader is not None:
+            self._reader.close()
 
 
 def make_decoder(encoding: str, frame, nbytes: int, *, block_size: int,

@@ -124,6 +124,26 @@ def _own_decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+SMALL_FRAME = 64 * 2**10  # decoded bytes up to which a dense frame is decoded in one call
+
+
+def decode_small(frame, nbytes: int) -> bytes | None:
+    """The ``nbytes`` a small frame decodes to, in one call with this thread's one-shot context; None if it
+    does not decode to exactly that (the streaming reader then finds and names the problem).
+
+    A stream reader allocates its own context and window per frame, which
+    costs more than decoding a frame of a tiny tensor.
+    """
+    dctx = getattr(_THREAD, "oneshot", None)
+    if dctx is None:
+        dctx = _THREAD.oneshot = zstandard.ZstdDecompressor()
+    try:
+        data = dctx.decompress(frame, max_output_size=max(1, nbytes))
+    except zstandard.ZstdError:
+        return None
+    return data if len(data) == nbytes else None
+
+
 class _Reader:
     """Bounded reads from one zstd frame; zstd errors become ``CodecError``.
 
