@@ -160,6 +160,8 @@ def carry_into(root: Path, folder: Path, *, revision: str) -> str | None:
                     and _sha256(target) == sha:
                 continue
             temp = folder / f".{name}.{os.getpid()}.tmp"
+            if os.path.islink(temp):  # a predictable name: a link planted there is removed, never written through
+                os.unlink(temp)
             copy_file(root / FOLDER / name, temp)
             os.replace(temp, target)
         fsync_dir(folder)

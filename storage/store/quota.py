@@ -29,7 +29,7 @@ def _units(store: LocalStore) -> list[Evictable]:
     for kind in _KIND_ORDER:
         base = store.root / kind
         for folder in base.iterdir():
-            if folder.is_dir():
+            if folder.is_dir() and not folder.is_symlink():  # a link is the recovery's to remove, not a unit
                 units.append(Evictable(kind, folder.name, folder, tree_size(folder), os.stat(folder).st_mtime_ns))
     return units
 
