@@ -5,7 +5,7 @@ object, anything that is not:
 
 - at most ``limits.max_bytes`` bytes (checked before anything else),
 - strict UTF-8 without a byte order mark (never UTF-16/32 sniffing, no encoded or escaped lone surrogates),
-- at most ``limits.max_depth`` containers deep and at most ``items_allowed`` elements, both counted by an
+- at most ``limits.max_depth`` containers deep and at most ``limits.elements_allowed`` elements, both counted by an
   O(n) scan of the bytes *before* ``json.loads`` builds anything (so no RecursionError, no object bombs),
 - free of repeated keys, ``NaN``, ``Infinity`` and numbers that overflow to infinity.
 
@@ -58,7 +58,7 @@ class JsonLimits:
 
 MiB = 2**20
 # The kinds, and who reads each (docs/format.md, section 10, states them for other implementations).
-# Catalog records, sequence claims, node records, publication plans, the launch-folder records:
+# Catalog records, sequence claims, the head hint, node records, publication plans, the local server's record:
 RECORD = JsonLimits("record", 1 * MiB, 32, 1 << 16)
 # Index manifests: 500k tensors of 55-character names make a 43 MB index of 1M elements.
 INDEX = JsonLimits("index", 64 * MiB, 16, 1 << 23, 1 << 20)
@@ -112,7 +112,7 @@ def load_json(data: bytes | bytearray | memoryview | str, limits: JsonLimits, *,
         raise fail("nests too deeply") from None
     except MemoryError:
         raise fail("does not fit in memory") from None
-    except (ValueError, UnicodeError) as exc:
+    except ValueError as exc:  # JSONDecodeError, a hook's refusal, UnicodeError (a lone surrogate), digit limits
         raise fail(f"is not valid JSON ({exc})") from None
     if expect is not None and not isinstance(value, expect):
         raise fail(f"is a JSON {_json_type(value)}, not {_json_type_name(expect)}")
