@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._bench import ROOT, bench_main
-from flows.synthetic import SHAPES
+from flows.synthetic import SHAPES, SMALL_SCALES
 from testbed.processes import machine
 
 SCHEMA = "canonical-refit.benchmark.publish.v1"
@@ -78,7 +78,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "stage and the goal (benchmarks/_shapes.py)")
     p.add_argument("--tensors-scale", default="1", metavar="S[,S...]",
                    help="with --shape: shares of the shape's full tensor count, each measured")
-    p.add_argument("--small", action="store_true", help="with --shape: the suite's small mode (--tensors-scale 0.01)")
+    p.add_argument("--small", action="store_true",
+                   help="with --shape: the suite's small mode (flows.synthetic.SMALL_SCALES: a few hundred tensors)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one rank of part two
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--world-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -339,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import _shapes
 
         try:
-            scales = [0.01] if args.small else _shapes.parse_scales(args.tensors_scale)
+            scales = [SMALL_SCALES[args.shape]] if args.small else _shapes.parse_scales(args.tensors_scale)
         except ValueError as exc:
             raise SystemExit(f"python -m benchmarks.publish: {exc}")
         return _shapes.main(name="publish", shape=args.shape, scales=scales, workers=args.threads, parts=(),

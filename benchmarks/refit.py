@@ -50,7 +50,7 @@ from benchmarks._model import build, parse_share, share_label, sweep_steps
 from benchmarks._rates import (apply_in_place, apply_sweep, decode_rates, decode_threads, kernel_rates,
                                publish_rates, sweep_manifest, xor_reference)
 from benchmarks._scratch import DiskMeter, clone_store
-from flows.synthetic import SHAPES
+from flows.synthetic import SHAPES, SMALL_SCALES
 from storage.format.checkpoint import CheckpointIndex
 from testbed import throttle
 from testbed.prefect_server import PrefectServer
@@ -124,7 +124,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--tensors-scale", default="1", metavar="S[,S...]",
         help="with --shape: shares of the shape's full tensor count, each measured (e.g. 0.087,0.35,1 for "
              "deepseek-v3's 8k, 32k and 92k tensors)")
-    add("--small", action="store_true", help="with --shape: the suite's small mode (--tensors-scale 0.01)")
+    add("--small", action="store_true",
+        help="with --shape: the suite's small mode (flows.synthetic.SMALL_SCALES: a few hundred tensors)")
     args = p.parse_args(argv)
     if args.quick:
         given = {a.split("=")[0] for a in argv if a.startswith("--")}
@@ -133,7 +134,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                 setattr(args, key, value)
     if args.shape:
         try:
-            args.scales = [0.01] if args.small else _shapes.parse_scales(args.tensors_scale)
+            args.scales = ([SMALL_SCALES[args.shape]] if args.small
+                           else _shapes.parse_scales(args.tensors_scale))
         except ValueError as exc:
             p.error(str(exc))
     args.thread_list = sorted({int(t) for t in args.threads.split(",") if t.strip()})

@@ -201,6 +201,9 @@ def changed_share(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -
 
 SHAPES = ("dense", "deepseek-v3", "deepseek-r1-nvfp4", "kimi-k3", "gpt-oss")
 
+# the small mode of each shape (the suite's, and the benchmarks' --small): a few hundred tensors, every dtype
+SMALL_SCALES = {"dense": 0.01, "deepseek-v3": 0.002, "deepseek-r1-nvfp4": 0.002, "kimi-k3": 0.0005, "gpt-oss": 0.01}
+
 DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1}
 
 

@@ -15,7 +15,7 @@ import zstandard
 from flows.synthetic import train_step
 from storage.catalog.records import Revision
 from storage.format.checkpoint import CheckpointIndex
-from storage.errors import ChecksumMismatch, CodecError, ObjectNotFound
+from storage.errors import ChecksumMismatch, CodecError, ObjectNotFound, StoreError
 from storage.catalog.manifests import parse_delta_manifest
 from storage.patch.patcher import apply_patches, plan_patches
 from storage.patch.pipeline import Arrivals, ArrivingPlans
@@ -216,3 +216,59 @@ def test_a_cancelled_fetch_starts_no_download_and_the_lock_waits_for_it(flow_lab
             fetch_buckets(rx, plan, baseline, indexes, arrivals)
     assert not list((rx.store.root / "deltas").rglob("bucket-*.safetensors"))
     assert rx.lock is None and rx.store.state().version == "r0"
+
+
+class _Manifest:
+    """What ArrivingPlans reads of a delta manifest: its version, weight map and files."""
+
+    def __init__(self, version: str, weight_map: dict[str, str]):
+        self.version, self.weight_map = version, weight_map
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+
+def _waiting_plans(count: int):
+    from storage.format.checkpoint import TensorLocation
+
+    sizes = {f"t{i:04d}": (i % 7) * 10 for i in range(count)}
+    names = list(sizes)
+    first = {t: f"b{i % 3}" for i, t in enumerate(names)}
+    second = {t: f"c{i % 2}" for i, t in enumerate(names) if i % 5 == 0}  # every fifth tensor is in both deltas
+    checkpoint = {t: TensorLocation(t, "m.safetensors", 0, n, "U8", (n,)) for t, n in sizes.items()}
+    arrivals = Arrivals()
+    source = ArrivingPlans([_Manifest("r1", first), _Manifest("r2", second)], {}, checkpoint, arrivals)
+    arrivals.admit()
+    needs = {t: {("r1", first[t])} | ({("r2", second[t])} if t in second else set()) for t in names}
+    return arrivals, source, sizes, needs
+
+
+def test_take_hands_out_the_ready_tensors_largest_first_then_names_the_missing_file():
+    arrivals, source, sizes, needs = _waiting_plans(3000)
+    arrived = {("r1", "b0"), ("r1", "b2"), ("r2", "c1")}
+    for version, name in sorted(arrived):
+        arrivals.arrived(version, name)
+    ready = [t for t, keys in needs.items() if keys <= arrived]
+    expected = sorted(ready, key=lambda t: (sizes[t], t), reverse=True)
+    assert [source.take() for _ in expected] == expected  # as max((nbytes, name)) over the ready ones, each time
+    arrivals.arrived("r1", "b1")  # more tensors become ready: they come next, still largest first
+    arrived.add(("r1", "b1"))
+    more = sorted((t for t, keys in needs.items() if keys <= arrived and t not in ready),
+                  key=lambda t: (sizes[t], t), reverse=True)
+    assert [source.take() for _ in more] == more
+    arrivals.close()  # c0 never came: the tensors waiting for it cannot be patched
+    with pytest.raises(StoreError) as info:
+        source.take()
+    assert (info.value.revision, info.value.file) == ("r2", "c0")
+
+
+def test_take_raises_the_error_of_a_file_a_waiting_tensor_needs():
+    arrivals, source, sizes, needs = _waiting_plans(50)
+    arrivals.arrived("r1", "b0")
+    taken = [source.take() for t, keys in needs.items() if keys <= {("r1", "b0")}]
+    assert taken and all(needs[t] == {("r1", "b0")} for t in taken)
+    arrivals.failed("r1", "b1", ObjectNotFound("object not found", file="b1", revision="r1"))
+    with pytest.raises(ObjectNotFound) as info:
+        source.take()
+    assert info.value.file == "b1"
