@@ -114,8 +114,31 @@ def test_an_artifact_folder_linked_outside_is_removed_and_refetched(node):
     assert (store / "deltas" / "r2").is_dir() and (store / "deltas" / "r2" / "index.json").read_bytes() == index
 
 
-@pytest.mark.parametrize("planted", ["materialized", "full", "chains", "verified", "deltas", "catalog",
-                                     "state.json", "active.json", "chains/r1.json", "lock", "launch-files"])
+def test_a_cached_bucket_linked_to_an_outside_file_is_removed_not_reused(node):
+    lab, outside = node
+    record = json.loads((lab.catalog_dir / "r2.json").read_text())
+    source = Path(record["uri"].removeprefix("file://"))
+    index = source.read_bytes()
+    store = lab.store_root
+    folder = store / "deltas" / "r2"
+    folder.mkdir()
+    (folder / "index.json").write_bytes(index)
+    outside_bucket = outside / "bucket-00000.safetensors"
+    shutil.copy2(source.parent / "bucket-00000.safetensors", outside_bucket)
+    (folder / "bucket-00000.safetensors").symlink_to(outside_bucket)
+    st = outside_bucket.stat()
+    (store / "deltas" / "r2.source.json").write_text(json.dumps(
+        {"uri": record["uri"], "index_sha256": hashlib.sha256(index).hexdigest(),
+         "files": {"bucket-00000.safetensors": [st.st_size, st.st_mtime_ns]}}))
+    before = snapshot(outside)
+    refit_to_r2(lab, outside, before)
+    assert not (folder / "bucket-00000.safetensors").is_symlink()
+
+
+@pytest.mark.parametrize("planted", ["materialized", "full", "chains", "verified", "deltas", "catalog", "tmp",
+                                     "state.json", "active.json", "chains/r1.json", "verified/r1.json", "lock",
+                                     "launch-files", "launch-files.json", "materialized/r1", "full/r0",
+                                     "deltas/r1", "deltas/r1.source.json"])
 def test_store_folders_and_state_files_linked_outside_are_removed_never_followed(node, planted):
     lab, outside = node
     store = lab.store_root
