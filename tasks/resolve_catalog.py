@@ -123,7 +123,7 @@ def rollback_checked(rx: Receiver, active, target: Revision) -> None:
 def _note_quarantined(rx: Receiver) -> None:
     """Each unusable catalog object this run met, in the run's notes (its result and artifacts)."""
     for version, error in sorted(rx.catalog.quarantined.items()):
-        rx.ledger.note(f"catalog record {version} is malformed and was skipped (it is not on this lineage): {error}")
+        rx.ledger.note(f"catalog record {version} is unusable and was skipped (it is not on this lineage): {error}")
 
 
 def installed_drift(rx: Receiver, active) -> str | None:

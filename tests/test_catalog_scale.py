@@ -214,7 +214,7 @@ def test_no_catalog_object_jams_a_refit_or_a_rollback(lab, case, caplog):
     result = refit(lab)  # latest: the newest usable revision, the hostile one skipped and reported
     assert result.status == "READY" and result.version == "r2", result.error
     lab.assert_checkpoint(Path(result.checkpoint_path), "r2")
-    assert any("r3" in note and "malformed" in note for note in result.notes), result.notes
+    assert any("r3" in note and "unusable" in note for note in result.notes), result.notes
     assert any("r3.json" in r.getMessage() and "quarantined" in r.getMessage() for r in caplog.records)
     result = refit(lab, target="r3")  # the hostile revision itself: a typed error naming it
     assert result.status == "FAILED" and isinstance(result.exception, CatalogError), result.error

@@ -335,9 +335,9 @@ def test_every_record_of_the_chain_is_verified(lab, keys, tmp_path, caplog):
     assert result.status == "FAILED" and isinstance(result.exception, SignatureError), result.error
     assert result.exception.revision == "r0" and "does not trust" in result.error
     with caplog.at_level(logging.WARNING, logger="canonical_refit.catalog"):
-        result = refit(lab, public, target="r2", cache=tmp_path / "fresh-2")  # found: the refused one is skipped
-    assert result.status == "FAILED" and isinstance(result.exception, CatalogError), result.error
-    assert "launch" in result.error and result.lineage == []
+        result = refit(lab, public, target="r2", cache=tmp_path / "fresh-2")  # found by its claim: named
+    assert result.status == "FAILED" and isinstance(result.exception, SignatureError), result.error
+    assert result.exception.revision == "r0" and "does not trust" in result.error and result.lineage == []
     assert any("r0.json" in r.getMessage() and "does not trust" in r.getMessage() for r in caplog.records)
     record_path(lab, "r0").write_bytes(launch)
     result = refit(lab, public, target="r2", cache=tmp_path / "fresh-2")

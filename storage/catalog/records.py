@@ -488,6 +488,9 @@ class Catalog:
         if not exists or holder is None:
             return None
         record = self._usable(holder)
+        if record is None and holder in self.quarantined:
+            # the launch record exists but cannot be used (malformed, unsigned...): say why, naming it
+            raise self.quarantined[holder]
         return record if record is not None and record.sequence == 0 else None
 
     def resolve(self, target: str) -> Revision:
