@@ -18,7 +18,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 from storage.catalog.records import SCHEMA, Catalog, Revision
 from storage.format.checkpoint import INDEX_FILE, CheckpointIndex, TensorLocation, require_same_layout
@@ -275,16 +275,48 @@ def _in_order(pool, fn, names: list[str], index: CheckpointIndex | MemoryCheckpo
     """
     pending: deque = deque()
     inflight = 0
-    it = iter(names)
+    it = iter(_groups(names, index))  # small tensors go to a thread together: a hand-off costs tens of us
     nxt = next(it, None)
     while nxt is not None or pending:
-        while nxt is not None and (len(pending) <= workers or inflight + index.tensors[nxt].nbytes <= limit):
-            pending.append((nxt, pool.submit(fn, nxt)))
-            inflight += index.tensors[nxt].nbytes
+        while nxt is not None and (len(pending) <= workers or inflight + nxt[1] <= limit):
+            pending.append((nxt, pool.submit(_each, fn, nxt[0])))
+            inflight += nxt[1]
             nxt = next(it, None)
-        name, future = pending.popleft()
-        inflight -= index.tensors[name].nbytes
-        yield name, future.result()
+        (group, nbytes), future = pending.popleft()
+        inflight -= nbytes
+        for name, (value, error) in zip(group, future.result()):
+            if error is not None:
+                raise error  # as the tensor's own future would have, after the ones before it
+            yield name, value
+
+
+GROUP_BYTES, GROUP_TENSORS = 2**20, 256
+
+
+def _groups(names: list[str], index) -> Iterator[tuple[list[str], int]]:
+    """Consecutive names in groups of under ``GROUP_BYTES`` (a larger tensor alone), with their bytes."""
+    group, size = [], 0
+    for name in names:
+        nbytes = index.tensors[name].nbytes
+        if group and (size + nbytes > GROUP_BYTES or len(group) >= GROUP_TENSORS):
+            yield group, size
+            group, size = [], 0
+        group.append(name)
+        size += nbytes
+    if group:
+        yield group, size
+
+
+def _each(fn, group: list[str]) -> list[tuple[object, BaseException | None]]:
+    """``fn`` of each name, stopping at the first error (returned in its place)."""
+    out: list[tuple[object, BaseException | None]] = []
+    for name in group:
+        try:
+            out.append((fn(name), None))
+        except Exception as exc:
+            out.append((None, exc))
+            break
+    return out
 
 
 def stage_full(snapshot: Snapshot, folder: Path, *, progress: Callable[[int], None] | None = None,

@@ -165,11 +165,35 @@ class CheckpointIndex(TensorTable):
                     h.update(b"")
                 return t.name, h.hexdigest()
 
+            def batch(group: list[TensorLocation]) -> list[tuple[str, str]]:
+                return [one(t) for t in group]
+
             with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-                return dict(pool.map(one, wanted))
+                return dict(pair for done in pool.map(batch, _batches(wanted)) for pair in done)
 
     def snapshot_digest(self, checksum_format: str, checksums: Mapping[str, str]) -> str:
         return snapshot_digest(checksum_format, self.format_digest(), checksums)
+
+
+BATCH_BYTES = 4 * 2**20  # small tensors go to the hashing threads in groups of about this many bytes
+BATCH_TENSORS = 512
+
+
+def _batches(tensors: list[TensorLocation]) -> list[list[TensorLocation]]:
+    """Consecutive groups of ``tensors`` (in their order): a large tensor alone, small ones together, so a
+    thread pool's hand-off (tens of microseconds) is paid per group, not per tiny tensor."""
+    groups: list[list[TensorLocation]] = []
+    group: list[TensorLocation] = []
+    size = 0
+    for t in tensors:
+        group.append(t)
+        size += t.nbytes
+        if size >= BATCH_BYTES or len(group) >= BATCH_TENSORS:
+            groups.append(group)
+            group, size = [], 0
+    if group:
+        groups.append(group)
+    return groups
 
 
 def require_same_layout(
