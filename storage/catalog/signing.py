@@ -28,7 +28,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from storage.canonical import canonical_json, unique_keys
+from storage.bounded_json import RECORD, load_json
+from storage.canonical import canonical_json
 from storage.durable import create_only_write
 from storage.errors import SignatureError
 from storage.keys import label, load_private_key, load_public_key
@@ -116,10 +117,7 @@ class RecordVerifier:
         """The record object, if its signature verifies under a trusted key; else ``SignatureError``."""
         document = raw
         if not isinstance(document, dict):
-            try:
-                document = json.loads(raw, object_pairs_hook=unique_keys)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise SignatureError(f"record is not valid JSON ({exc})", revision=revision, file=file) from None
+            document = load_json(raw, RECORD, error=SignatureError, revision=revision, file=file)
         if not isinstance(document, dict):
             raise SignatureError("record is not a JSON object", revision=revision, file=file)
         signature = document.get(SIGNATURE_FIELD)
