@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -118,3 +119,19 @@ def test_a_catalog_that_cannot_be_read_is_waited_through(lab, capsys):
     finally:
         back.join()
     assert (outcome.outcome, outcome.reached, outcome.problems) == ("reached", ["a"], [])
+
+
+def test_a_node_whose_record_cannot_be_read_is_never_counted_as_there(lab, capsys):
+    from storage.catalog.nodes import nodes_url
+
+    lab.publish("initial")
+    for name in ("a", "b"):
+        assert node(lab, name, "r0").status == "READY"
+    record = Path(nodes_url(lab.catalog, lab.model).removeprefix("file://")) / "b.json"
+    record.write_text('{"node": "b", "model"')  # a torn or corrupt object: b cannot be placed
+    code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "0.3", "--poll", "0.1")
+    assert (code, waited["outcome"], waited["reached"], waited["unreadable"]) == (1, "timeout", ["a"], ["b"])
+    assert any(str(record.name) in problem for problem in waited["view"]["problems"])
+    assert node(lab, "b", "r0").status in ("READY", "SKIPPED")  # its next run writes it whole again
+    code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "60")
+    assert (code, waited["reached"], waited["unreadable"]) == (0, ["a", "b"], [])
