@@ -106,14 +106,21 @@ class Maps:
         self.shards = MappedFiles(folder, writable=True)
         self._lock = threading.Lock()
         self._buckets: dict[Path, MappedFiles] = {}
+        self._arrays: dict[int, tuple[Path, np.ndarray]] = {}
         self._releases = _Releases()
 
     def _bucket(self, step: "PatchStep") -> np.ndarray:
+        # the steps of one bucket share its Path object: looked up by identity, not by hashing the path per tensor
+        known = self._arrays.get(id(step.bucket))
+        if known is not None and known[0] is step.bucket:
+            return known[1]
         with self._lock:
             files = self._buckets.get(step.bucket.parent)
             if files is None:
                 files = self._buckets[step.bucket.parent] = MappedFiles(step.bucket.parent)
-        return files.array(step.bucket.name)
+        array = files.array(step.bucket.name)
+        self._arrays[id(step.bucket)] = (step.bucket, array)  # the Path is kept: its id is not reused
+        return array
 
     def frame(self, step: "PatchStep") -> memoryview:
         view = self._bucket(step)
@@ -158,6 +165,7 @@ class Maps:
         self.shards.close()
         with self._lock:
             buckets, self._buckets = list(self._buckets.values()), {}
+            self._arrays = {}
         for files in buckets:
             files.close()
 
