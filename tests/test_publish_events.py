@@ -68,8 +68,12 @@ def test_an_event_the_api_does_not_take_is_reported_and_the_revision_is_still_pu
     lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
 
 
-def test_without_an_api_no_event_is_due_and_none_is_claimed(lab):
-    result = publish(lab, "initial")
+def test_without_an_api_no_event_is_due_and_none_is_claimed(lab, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # a trainer process with no Prefect API
+        result = publish(lab, "initial")
     assert (result.event_delivered, result.event_error) == (None, None)
 
 
