@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -21,6 +23,23 @@ from storage.catalog.records import Catalog
 from storage.objects.store import ObjectStore
 from testbed.prefect_server import published_events
 from testbed.processes import wait_until
+
+
+@contextmanager
+def api_down():
+    """Every thread of this process reports to a Prefect API that is down (a closed loopback port); the API
+    it reported to before is restored after (``reporting_to`` leaves none)."""
+    from prefect.context import refresh_global_settings_context
+
+    before = os.environ.get("PREFECT_API_URL")
+    url = f"http://127.0.0.1:{closed_port()}/api"
+    try:
+        with reporting_to(url):
+            yield url
+    finally:
+        if before is not None:
+            os.environ["PREFECT_API_URL"] = before
+            refresh_global_settings_context()
 
 
 def closed_port() -> int:
@@ -46,8 +65,7 @@ def publish(lab, kind: str, **kw):
 
 
 def test_an_event_the_api_does_not_take_is_reported_and_the_revision_is_still_published(lab, caplog):
-    down = f"http://127.0.0.1:{closed_port()}/api"
-    with reporting_to(down), caplog.at_level(logging.WARNING, logger="canonical_refit.publish"):
+    with api_down() as down, caplog.at_level(logging.WARNING, logger="canonical_refit.publish"):
         first = publish(lab, "initial", event_delivery_s=1.5)
         pending = publish(lab, "delta", event_delivery_s=1.5, wait=False)  # retried in the background
         second = pending.result()
