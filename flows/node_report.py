@@ -21,7 +21,7 @@ from flows.prefect_api import configured_api_url
 from flows.outcome import retryable_run
 from flows.report import READY, SKIPPED, RefitResult
 from storage.catalog.nodes import DRIFTED, NodeRecord, scan_node_records, write_node_record
-from storage.errors import RefitError
+from storage.errors import RefitError, StorageError
 from storage.objects.store import ObjectStore
 from storage.settings import RefitParams
 from storage.store.local_store import ActiveIdentity, LocalStore
@@ -112,9 +112,13 @@ def _refresh(params: RefitParams, installer, busy: bool) -> tuple[NodeRecord, st
     except RefitError as exc:
         log.warning("heartbeat of node %s: could not read its record: %s", params.node, exc)
         return None  # a missed beat (storage down): rewriting the record now could drop its last outcome
-    if scan.unreadable:
+    error = scan.errors.get(params.node)
+    if isinstance(error, StorageError):  # a missed beat: the record may hold an outcome worth keeping
         log.warning("heartbeat of node %s: could not read its record: %s", params.node, "; ".join(scan.problems))
         return None
+    if error is not None:
+        log.warning("heartbeat of node %s: its record is malformed and is written anew: %s", params.node,
+                    "; ".join(scan.problems))
     previous = next((r for r in scan.records if r.node == params.node), None)
     now = int(time.time() * 1000)
     if previous is None:

@@ -137,6 +137,7 @@ class NodeScan:
     records: list[NodeRecord]
     problems: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    errors: dict[str, Exception] = field(default_factory=dict)  # node -> why its record could not be read
 
 
 def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers: int | None = None,
@@ -150,7 +151,7 @@ def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
     base = nodes_url(catalog, model)
     fieldnames = {f.name for f in fields(NodeRecord)}
 
-    def read(name: str) -> NodeRecord | str:
+    def read(name: str) -> NodeRecord | Exception:
         url = join_url(base, name)
         try:
             raw = load_json(objects.read_bytes(url, max_size=MAX_RECORD_BYTES), RECORD, expect=dict, file=url)
@@ -159,7 +160,8 @@ def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
                 raise ValueError("names another node or model")
             return record
         except (ValueError, TypeError, AttributeError, RefitError) as exc:
-            return f"{url}: {exc}"
+            exc.url = url
+            return exc
 
     if only is not None:  # one node's own record: no listing
         names = [f"{only}.json"] if objects.exists(join_url(base, f"{only}.json")) else []
@@ -172,9 +174,9 @@ def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
                                 thread_name_prefix="node-records") as pool:
             outcomes = list(pool.map(read, names))
     records = [o for o in outcomes if isinstance(o, NodeRecord)]
-    failed = [(name.removesuffix(".json"), o) for name, o in zip(names, outcomes) if isinstance(o, str)]
-    return NodeScan(sorted(records, key=lambda r: r.node), [problem for _, problem in failed],
-                    sorted(name for name, _ in failed))
+    failed = {name.removesuffix(".json"): o for name, o in zip(names, outcomes) if isinstance(o, Exception)}
+    return NodeScan(sorted(records, key=lambda r: r.node), [f"{e.url}: {e}" for e in failed.values()],
+                    sorted(failed), failed)
 
 
 def read_node_records(objects: ObjectStore, catalog: str, model: str, *, workers: int | None = None,
