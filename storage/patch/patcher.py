@@ -178,11 +178,37 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
 
         names = sorted(out)
         if workers > 1 and len(names) > 1:
-            with ThreadPoolExecutor(min(workers, len(names)), thread_name_prefix="validate") as pool:
-                steps = list(pool.map(validated, names))  # raises the first failure in name order
+            groups = _groups(names, out)  # tiny frames go to a thread together: one future per group, not per tensor
+
+            def validate_group(group: list[str]) -> list[PatchStep]:
+                return [validated(name) for name in group]
+
+            with ThreadPoolExecutor(min(workers, len(groups)), thread_name_prefix="validate") as pool:
+                # the groups' results in order: raises the first failure in name order
+                steps = [step for done in pool.map(validate_group, groups) for step in done]
         else:
             steps = [validated(name) for name in names]
     return dict(zip(names, steps))
+
+
+VALIDATE_GROUP_BYTES, VALIDATE_GROUP_TENSORS = 2**20, 256
+
+
+def _groups(names: list[str], steps: Mapping[str, PatchStep]) -> list[list[str]]:
+    """Consecutive names, in groups of under ``VALIDATE_GROUP_BYTES`` of frames (a larger frame alone)."""
+    groups: list[list[str]] = []
+    group: list[str] = []
+    size = 0
+    for name in names:
+        frame = steps[name].end - steps[name].start
+        if group and (size + frame > VALIDATE_GROUP_BYTES or len(group) >= VALIDATE_GROUP_TENSORS):
+            groups.append(group)
+            group, size = [], 0
+        group.append(name)
+        size += frame
+    if group:
+        groups.append(group)
+    return groups
 
 
 def apply_patches(
