@@ -51,6 +51,7 @@ def block_bounds(location: TensorLocation, block_size: int) -> list[tuple[int, i
 SMALL = 64 * 2**10  # a range below this is faulted in on touch and dropped in batches, not advised alone
 RELEASE_BATCH = 16 * 2**20  # bytes of small ranges a process keeps mapped before dropping them together
 RELEASE_GAP = 256 * 2**10  # small ranges this close are dropped by one call
+RELEASE_RANGES = 4096  # ... or once this many ranges are waiting (their list stays small)
 
 
 class _Releases:
@@ -59,7 +60,8 @@ class _Releases:
     A ``madvise`` call per tiny tensor costs more than the tensor (every call
     takes the address space's lock, and dropping pages interrupts the other
     threads to flush their TLBs), so ranges below ``SMALL`` are collected
-    and dropped together once ``RELEASE_BATCH`` bytes are waiting, sorted
+    and dropped together once ``RELEASE_BATCH`` bytes (or ``RELEASE_RANGES``
+    ranges) are waiting, sorted
     and merged across gaps under ``RELEASE_GAP``. Dropping a page of a shared
     mapping only unmaps it (its bytes stay in the page cache, dirty or not),
     so a page another thread still uses is simply faulted in again.
@@ -76,7 +78,7 @@ class _Releases:
             self._views.setdefault(id(view), view)
             self._ranges.append((id(view), start, start + length))
             self._bytes += length
-            if self._bytes < RELEASE_BATCH:
+            if self._bytes < RELEASE_BATCH and len(self._ranges) < RELEASE_RANGES:
                 return
             ranges, self._ranges, self._bytes = self._ranges, [], 0
             views = dict(self._views)
