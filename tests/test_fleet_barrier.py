@@ -19,6 +19,8 @@ import pytest
 
 from flows import api
 from flows.fleet import main as fleet_main
+from s3_support import s3, s3_lab  # noqa: F401  (s3 is a fixture)
+from testbed.s3proxy import Faults
 
 
 def fleet(capsys, lab, *args: str) -> tuple[int, dict]:
@@ -140,3 +142,29 @@ def test_a_node_whose_record_cannot_be_read_is_never_counted_as_there_until_it_i
     assert node_report.refresh_node(params, make_installer(params.installer)).version == "r0"
     code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "60")
     assert (code, waited["reached"], waited["unreadable"]) == (0, ["a", "b"], [])
+
+
+def test_a_storage_outage_is_waited_through_on_s3(s3, tmp_path):  # noqa: F811 - s3 is a fixture
+    """The node records and the catalog on a real S3 server (moto) behind a proxy that refuses them (403)
+    when wait starts: each poll reads them again, and the outage ending lets the wait end."""
+    lab = s3_lab(tmp_path, s3, "barrier")
+    for kind in ("initial", "delta"):
+        lab.publish(kind, storage=s3.settings())
+    result = lab.run(target="r1", node="a", cache_dir=tmp_path / "cache-a", storage=s3.settings())
+    assert result.status == "READY", result.error
+    with s3.proxy(Faults(deny=("nodes", "catalog")), lifetime_s=120) as proxy:  # listings and reads
+        storage = s3.settings(proxy.url)
+        outcome = api.wait_for("r0", catalog=lab.catalog, model=lab.model, storage=storage, timeout_s=0.5,
+                               poll_s=0.1)
+        assert (outcome.outcome, outcome.reached) == ("timeout", [])
+        assert [p.split(":")[0] for p in outcome.problems] == ["the node records", "the catalog record of r0"]
+        assert all("AccessDenied" in p or "denied" in p.lower() for p in outcome.problems), outcome.problems
+
+        back = threading.Timer(0.5, lambda: setattr(proxy.faults, "deny", ()))  # the outage ends meanwhile
+        back.start()
+        try:
+            outcome = api.wait_for("r0", catalog=lab.catalog, model=lab.model, storage=storage, timeout_s=60,
+                                   poll_s=0.1)
+        finally:
+            back.join()
+    assert (outcome.outcome, outcome.reached, outcome.problems) == ("reached", ["a"], [])
