@@ -194,18 +194,23 @@ def _tensor_sizes(rx: Receiver, baseline: Baseline, indexes: Indexes) -> dict[st
     return _shard_sizes(rx, indexes.full) if indexes.full is not None else None
 
 
+_HEADER_GUESS = 64 * 2**10  # header bytes read with a shard's length prefix, in one request
+
+
 def _shard_sizes(rx: Receiver, manifest: Manifest) -> dict[str, int]:
-    """The tensors' byte sizes in the shards' own headers, read with two ranged reads a shard: each header is
-    checked against its object's size (nothing after the last tensor), so a shard's bound is its exact size."""
+    """The tensors' byte sizes in the shards' own headers, read with one ranged read a shard (two for a header
+    over 64 KiB): each header is checked against its object's size (nothing after the last tensor), so a
+    shard's bound is its exact size."""
     objects = rx.objects
 
     def one(name: str) -> dict[str, int]:
         url = manifest.file_url(name)
         try:
             size = objects.size(url)
-            prefix = objects.read_range(url, 0, min(8, size)) if size else b""
-            n = header_length(prefix, size, file=url, revision=manifest.version)
-            header = parse_header(objects.read_range(url, 8, 8 + n), n, size, file=url, revision=manifest.version)
+            first = objects.read_range(url, 0, min(size, 8 + _HEADER_GUESS)) if size else b""
+            n = header_length(first[:8], size, file=url, revision=manifest.version)
+            raw = first[8:8 + n] if 8 + n <= len(first) else first[8:] + objects.read_range(url, len(first), 8 + n)
+            header = parse_header(raw, n, size, file=url, revision=manifest.version)
         except RefitError as exc:
             raise exc.with_context(revision=manifest.version)
         return {tensor: info.nbytes for tensor, info in header.tensors.items()}
