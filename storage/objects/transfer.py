@@ -266,15 +266,18 @@ class FsspecSource:
 class LocalSource:
     """An object on a local or in-memory filesystem: one plain copy, no ranges.
 
-    A local file is opened without blocking and must be a regular file (a FIFO, socket or device is refused,
-    never read); exactly the bytes its size announced are copied. In-memory objects go through ``fs.get_file``.
+    A local file (``file://``) is opened without blocking and must be a regular file (a FIFO, socket or device
+    is refused, never read); exactly the bytes its size announced are copied. In-memory objects (and other
+    protocols built on the local filesystem) go through ``fs.get_file``.
     """
 
     ranged = False
 
     def __init__(self, fs, path: str):
         self.fs, self.path = fs, path
-        self.local = "memory" not in ((fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol))
+        protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+        self.local = "file" in protocols or "local" in protocols  # plain local files (another protocol built
+        # on the local filesystem keeps its own get_file)
 
 
 def open_regular(path: str, url: str) -> int:
