@@ -59,3 +59,37 @@ def test_a_real_shape_is_published_and_refitted_byte_exact(shape, tmp_path):
         assert "F8_E5M2" in dtypes
     if shape in ("deepseek-r1-nvfp4", "gpt-oss"):
         assert "U8" in dtypes
+
+
+@pytest.mark.parametrize("module", ["benchmarks.refit", "benchmarks.publish"])
+def test_the_shape_benchmarks_run_as_commands_and_report_every_stage(module, tmp_path):
+    """``python -m benchmarks.refit|publish --shape ... --small``, as documented: every tensor changed, published
+    (and refitted byte-exact), and a figure per tensor for every stage; the figures' values are not asserted."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "result.json"
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run([sys.executable, "-m", module, "--shape", "deepseek-r1-nvfp4", "--small", "--json",
+                           str(out)], cwd=root, env=os.environ | {"PYTHONPATH": path}, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    [point] = result["points"]
+    assert point["tensors"] == len(shape_layout("deepseek-r1-nvfp4", SMALL_SCALES["deepseek-r1-nvfp4"]))
+    assert point["dtypes"] == ["BF16", "F32", "F8_E4M3", "U8"]
+    assert set(point["publish_us_per_tensor"]) >= {"plan revision", "encode payload", "upload payload",
+                                                   "write record", "wall", "cpu"}
+    assert "publish" in result["goals"] and "goal <= 40" in done.stdout
+    if module == "benchmarks.refit":
+        assert point["byte_exact"] is True and point["tensors_compared"] == point["tensors"]
+        assert set(point["refit_us_per_tensor"]) >= {"fetch index", "fetch buckets", "apply deltas",
+                                                     "verify digest", "stages_sum", "cpu"}
+        assert point["memory"]["anon_over_baseline_per_tensor"] > 0
+        assert "refit" in result["goals"] and "goal <= 20" in done.stdout
+    else:
+        assert "refit_us_per_tensor" not in point
