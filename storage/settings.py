@@ -320,6 +320,15 @@ class PublishParams(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _payload_beside_the_catalog(self) -> "PublishParams":
+        from storage.urls import storage_kind
+
+        if self.payload_url is not None and storage_kind(self.payload_url) != storage_kind(self.catalog):
+            raise ValueError(f"payload_url {self.payload_url!r} is not in the catalog's kind of storage "
+                             f"({storage_kind(self.catalog)}://): receivers refuse such records")
+        return self
+
+    @model_validator(mode="after")
     def _one_rank_of_a_publication(self) -> "PublishParams":
         given = [self.rank is not None, self.world_size is not None, self.publication is not None]
         if any(given) and not all(given):

@@ -47,6 +47,12 @@ def validate_s3_uri(url: str) -> None:
         raise InvalidURI("S3 bucket names have 3 to 63 characters", file=url)
 
 
+def storage_kind(url: str) -> str:
+    """The protocol of ``url`` as one kind of storage (``s3a`` is ``s3``; a plain path is ``file``)."""
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
+    return "s3" if scheme == "s3a" else scheme
+
+
 def join_url(base: str, *names: str) -> str:
     """``base`` + ``/name`` for each name (no normalisation of ``..``)."""
     out = base.rstrip("/")

@@ -99,7 +99,15 @@ def catalog(request, tmp_path) -> Catalog:
     return Catalog(ObjectStore(), url, MODEL)
 
 
+def _in_storage_of(catalog: Catalog, raw: dict) -> dict:
+    """The record with its payload beside the catalog (a record may not point to another kind of storage)."""
+    if raw.get("uri") is None:
+        return raw
+    return {**raw, "uri": f"{catalog.url}/../revisions/{raw['version']}/delta.safetensors.index.json"}
+
+
 def _put(catalog: Catalog, raw: dict) -> None:
+    raw = _in_storage_of(catalog, raw)
     catalog.store.put_immutable(catalog.record_url(raw["version"]), canonical_json(raw))
 
 
@@ -203,7 +211,7 @@ def test_invalid_s3_uris_are_rejected_with_the_uri(url):
 def _publish(catalog: Catalog, raw: dict, token: str = "t") -> None:
     """What a publisher does: claim the sequence, then write the record (which moves the head hint)."""
     assert catalog.claim_sequence(raw["sequence"], raw["version"], token) == (raw["version"], token)
-    catalog.write(Revision.model_validate(raw))
+    catalog.write(Revision.model_validate(_in_storage_of(catalog, raw)))
 
 
 def _chain(catalog: Catalog, last: int) -> None:
@@ -289,3 +297,31 @@ def test_a_missing_target_is_explained_from_the_newest_claims_without_a_listing(
         fresh.resolve("r99")
     assert "latest is r12" in str(info.value) and "versions: r5, r6, r7, r8, r9, r10, r11, r12" in str(info.value)
     assert info.value.revision == "r99"
+
+
+@pytest.mark.parametrize("uri", ["http://127.0.0.1:9/revisions/r2/delta.safetensors.index.json",
+                                 "s3://bucket/revisions/r2/delta.safetensors.index.json"])
+def test_a_record_cannot_send_the_node_to_another_kind_of_storage(catalog, uri):
+    _chain(catalog, 1)
+    raw = record("r2", sequence=2, payload_format="full_hf_checkpoint", base_version=None, base_digest=None,
+                 format_digest=D["a"], uri=uri)
+    assert catalog.claim_sequence(2, "r2", "t") == ("r2", "t")
+    catalog.store.put_immutable(catalog.record_url("r2"), canonical_json(raw))  # as an outsider writes it
+    fresh = Catalog(catalog.store, catalog.url, MODEL)
+    with pytest.raises(CatalogError) as info:
+        fresh.read("r2")
+    assert info.value.revision == "r2" and info.value.field == "uri" and "catalog's storage" in str(info.value)
+    assert fresh.latest().version == "r1" and "r2" in fresh.quarantined  # skipped, reported, never used
+
+
+def test_a_publisher_refuses_a_payload_url_in_another_kind_of_storage(tmp_path):
+    from pydantic import ValidationError
+
+    from storage.settings import PublishParams
+
+    with pytest.raises(ValidationError, match="payload_url .* not in the catalog's kind of storage"):
+        PublishParams(catalog=str(tmp_path / "catalog"), model=MODEL, checkpoint=tmp_path,
+                      payload_url="s3://bucket/revisions/r1")
+    beside = PublishParams(catalog=str(tmp_path / "catalog"), model=MODEL, checkpoint=tmp_path,
+                           payload_url=str(tmp_path / "payload"))
+    assert beside.payload_url == str(tmp_path / "payload")

@@ -22,7 +22,7 @@ from storage.errors import (
     PermanentStorageError, RefitError, StorageError,
 )
 from storage.objects.store import ObjectStore
-from storage.urls import join_url, normalize_url
+from storage.urls import join_url, normalize_url, storage_kind
 from storage.settings import VERSION_PATTERN
 
 log = logging.getLogger("canonical_refit.catalog")
@@ -219,8 +219,16 @@ class Catalog:
             except Exception as exc:  # RecursionError, MemoryError, UnicodeError...: the object's fault
                 raise _unusable(exc, version, url) from None
             self._write_cached(version, url, record, signed)
+        self._same_storage(record, url)
         self._records[version] = record
         return record
+
+    def _same_storage(self, record: Revision, url: str) -> None:
+        """A record's payload lives in the catalog's own kind of storage: a record cannot send the node to
+        another protocol (an ``http://`` host, a local path under an ``s3://`` catalog) with its settings."""
+        if record.uri is not None and storage_kind(record.uri) != storage_kind(self.url):
+            raise CatalogError(f"payload uri {record.uri!r} is not in the catalog's storage "
+                               f"({storage_kind(self.url)}://)", revision=record.version, file=url, field="uri")
 
     def _fetch(self, url: str, max_size: int, *, revision: str | None = None) -> bytes:
         """An object's bytes. On a local filesystem only a regular file is opened (a FIFO would block)."""
