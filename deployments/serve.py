@@ -35,11 +35,6 @@ is started again. See docs/operations.md.
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
-# stage helpers log from worker threads, outside any run context: keep those lines local
-os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
-
 import argparse  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
@@ -296,6 +291,9 @@ def api_url() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flows.bootstrap import bootstrap
+
+    bootstrap()  # Prefect's environment defaults, before Prefect is imported (--help never imports it)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API poll otherwise

@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_expected_errors()
     if not argv or argv[0] not in _COMMANDS:  # a refit or the demo: a flow run, through a Prefect API
+        from flows.bootstrap import bootstrap
         from flows.prefect_api import preselect_local_server
 
+        bootstrap()  # before Prefect is imported; status, recover and activate never import it
         preselect_local_server()
     if not argv:
         from flows.prefect_api import prefect_api

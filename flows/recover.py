@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from prefect import flow
-
 from storage.errors import InstallError, StoreError
 from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, RecoverParams
@@ -103,11 +101,21 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
                                 f"poisoned mark ({receipt.detail})", repairs=repairs)
 
 
-
-@flow(name="recover", flow_run_name="recover {params.model}", validate_parameters=True)
-def recover(params: RecoverParams) -> dict:
+def _recover(params: RecoverParams) -> dict:
     """Re-install a poisoned node's last verified checkpoint through its recorded installer."""
     result = run_recover(params)
     if result.status != "READY":
         raise InstallError(result.error or result.status)
     return result.to_json()
+
+
+def __getattr__(name: str):
+    """``recover``, the Prefect flow over ``run_recover``, built on first use: ``python -m flows.refit recover``
+    runs ``run_recover`` plainly and never imports Prefect."""
+    if name != "recover":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from prefect import flow
+
+    globals()["recover"] = flow(name="recover", flow_run_name="recover {params.model}",
+                                validate_parameters=True)(_recover)
+    return globals()["recover"]

@@ -15,11 +15,9 @@ if __name__ == "__main__":  # the CLI (flows.cli); Prefect is imported only by t
 
     exit_with(main())
 
-import os
+from flows.bootstrap import bootstrap
 
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "canonical_refit")
-# stage helpers log from worker threads, outside any run context: keep those lines local
-os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+bootstrap()  # Prefect's environment defaults, before Prefect is imported (the entry points call it first)
 
 import logging  # noqa: E402
 import time  # noqa: E402
@@ -58,7 +56,6 @@ from flows.outcome import final_state, next_step, next_step_after_interrupt, out
 heartbeats.install()
 
 log = logging.getLogger("canonical_refit.refit")
-logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
 
 
 def runbook(rx: Receiver) -> str:

@@ -8,9 +8,12 @@ import re
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from storage.errors import RefitError, StoreError
-from tasks.receiver import Receiver
+
+if TYPE_CHECKING:  # annotations only: a command that runs no flow (status, --help) never loads the stages
+    from tasks.receiver import Receiver
 
 log = logging.getLogger("canonical_refit.report")
 

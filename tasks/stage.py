@@ -23,9 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from storage.retry import RetryPolicy
 
 R = TypeVar("R")
@@ -213,11 +210,18 @@ class Stage(Generic[R]):
 
     def __init__(self, name: str, fn: Callable[..., R], *, retried: bool, interruptible: bool = True):
         self.name, self.fn, self.retried, self.interruptible = name, fn, retried, interruptible
-        # the Prefect task this stage is a run of (its name, key and version); it is reported, not run by
-        # Prefect's task engine: report_task_run
-        self.task = task(name=name, task_run_name=name, cache_policy=NO_CACHE, persist_result=False,
-                         result_storage=unpersisted_results(), retries=0)(self._measured)
         functools.update_wrapper(self, fn)
+
+    @functools.cached_property
+    def task(self):
+        """The Prefect task this stage is a run of (its name, key and version); it is reported, not run by
+        Prefect's task engine: ``report_task_run``. Built on first use, inside a flow run: importing a stage
+        (a command that runs no flow) never imports Prefect."""
+        from prefect import task
+        from prefect.cache_policies import NO_CACHE
+
+        return task(name=self.name, task_run_name=self.name, cache_policy=NO_CACHE, persist_result=False,
+                    result_storage=unpersisted_results(), retries=0)(self._measured)
 
     def _measured(self, run, *args, **kwargs) -> R:
         def attempt() -> R:
