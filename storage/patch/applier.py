@@ -44,6 +44,8 @@ def block_bounds(location: TensorLocation, block_size: int) -> list[tuple[int, i
     """
     size = max(PAGE, -(-block_size // PAGE) * PAGE)
     start, end = location.offset, location.offset + location.nbytes
+    if start // size == (end - 1) // size:  # inside one block (most tensors of an MoE checkpoint): no cut
+        return [(0, location.nbytes)] if end > start else []
     cuts = [start, *range(start - start % size + size, end, size), end]
     return [(a - start, b - a) for a, b in zip(cuts, cuts[1:]) if b > a]
 
