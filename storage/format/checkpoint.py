@@ -234,9 +234,9 @@ def _raw_header(path: Path, revision: str | None) -> tuple[int, bytes]:
 
 
 class _Parsed:
-    """What index and header bytes parsed to (successes only), the last few layouts, keyed by the bytes."""
+    """What index and header bytes parsed to (successes only), the last two layouts, keyed by the bytes."""
 
-    KEEP = 4
+    KEEP = 2  # a refit opens one layout (two at most, across a layout change); more would only hold memory
 
     def __init__(self) -> None:
         self.layouts: OrderedDict = OrderedDict()
