@@ -93,3 +93,33 @@ def test_the_shape_benchmarks_run_as_commands_and_report_every_stage(module, tmp
         assert "refit" in result["goals"] and "goal <= 20" in done.stdout
     else:
         assert "refit_us_per_tensor" not in point
+
+
+def test_a_checkpoint_reopened_is_parsed_again_when_its_bytes_changed(tmp_path):
+    """``CheckpointIndex.open`` remembers layouts by their bytes: the same bytes elsewhere give the same tensors
+    at the new place; a shard whose header changed is parsed again, and a broken one is still refused."""
+    import shutil
+
+    from storage.errors import SafetensorsError
+    from storage.format.checkpoint import CheckpointIndex
+    from storage.format.safetensors import encode_header
+
+    specs = shape_layout("dense", SMALL_SCALES["dense"])
+    folder = ShapedCheckpoint.random(specs, seed=5).write(tmp_path / "a", shard_tensors=40)
+    first = CheckpointIndex.open(folder)
+    copy = tmp_path / "b"
+    shutil.copytree(folder, copy)
+    again = CheckpointIndex.open(copy)
+    assert again.folder == copy and again.tensors == first.tensors
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    header = first.headers[shard.name]
+    infos = sorted(header.tensors.values(), key=lambda t: t.start)
+    changed, _ = encode_header(((t.name, "F16" if i == 0 else t.dtype, t.shape, t.nbytes) for i, t in enumerate(infos)),
+                               header.metadata)
+    assert len(changed) == header.data_offset  # the same data section, one dtype different
+    shard.write_bytes(changed + data[header.data_offset:])
+    assert CheckpointIndex.open(folder).tensors[infos[0].name].dtype == "F16"
+    shard.write_bytes(changed[:8] + b"x" + changed[9:] + data[header.data_offset:])  # no longer JSON
+    with pytest.raises(SafetensorsError):
+        CheckpointIndex.open(folder)
