@@ -24,8 +24,7 @@ import re
 import stat
 import sys
 from dataclasses import dataclass
-
-import numpy as np
+from functools import cache
 
 from storage.errors import FormatError, RefitError
 
@@ -161,11 +160,18 @@ def validation_error(exc, error: type[RefitError], *, what: str = "record", **co
 
 # -- the structure scan ----------------------------------------------------------------------------------------
 
-_STEP = np.zeros(256, np.int8)
-_STEP[[ord("["), ord("{")]] = 1
-_STEP[[ord("]"), ord("}")]] = -1
-_SEPARATOR = np.zeros(256, np.bool_)
-_SEPARATOR[[ord(","), ord(":")]] = True
+@cache
+def _tables():
+    """Per byte: the nesting step (+1 ``[{``, -1 ``]}``) and whether it separates elements (``,:``). NumPy is
+    imported here, by the first scan: a command that reads no large record never loads it."""
+    import numpy as np
+
+    step = np.zeros(256, np.int8)
+    step[[ord("["), ord("{")]] = 1
+    step[[ord("]"), ord("}")]] = -1
+    separator = np.zeros(256, np.bool_)
+    separator[[ord(","), ord(":")]] = True
+    return step, separator
 
 
 def _structure(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
@@ -185,6 +191,9 @@ def _structure(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int
 
 def _scan(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
     """The exact counts, chunk by chunk; stops early once past either bound."""
+    import numpy as np
+
+    step_of, separates = _tables()
     a = np.frombuffer(data, np.uint8)
     escapes = b"\\" in data
     parity = depth = deepest = run = 0
@@ -207,9 +216,9 @@ def _scan(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
         inside += parity
         parity = int(inside[-1]) & 1
         outside = (inside & 1) == 0
-        step = _STEP[c]
+        step = step_of[c]
         step[~outside] = 0
-        elements += int(np.count_nonzero(_SEPARATOR[c] & outside)) + int(np.count_nonzero(step > 0))
+        elements += int(np.count_nonzero(separates[c] & outside)) + int(np.count_nonzero(step > 0))
         levels = np.cumsum(step, dtype=np.int32)
         levels += depth
         deepest = max(deepest, int(levels.max()))
