@@ -16,9 +16,7 @@ from dataclasses import asdict, dataclass, field
 from storage.errors import InstallError, StoreError
 from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, RecoverParams
-from tasks.install import install_checkpoint
 from tasks.installers import make_installer
-from tasks.verify_digest import VerifiedTarget
 
 
 @dataclass
@@ -82,6 +80,9 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
                     "READY", active.version if active else None, active.installer if active else None,
                     detail=(f"not poisoned: nothing to re-install; installed {active.version if active else 'none'}, "
                             f"prepared {current.version if current else 'none'}"), repairs=repairs)
+            from tasks.install import install_checkpoint  # a re-install: the stages, only when there is one to do
+            from tasks.verify_digest import VerifiedTarget
+
             chosen = choose_installer(mark, params, installer)
             candidates = [store.current()] + ([store.verified(active.version)] if active is not None else [])
             record = next((c for c in candidates if c is not None), None)
