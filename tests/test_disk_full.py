@@ -12,7 +12,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,7 @@ import crash_support as cs
 import crash_trials as ct
 from storage import durable
 from storage.durable import tree_size
-from storage.errors import StoreError
+from storage.errors import CapacityError, StoreError
 from storage.store.flush import wait_for_flushes
 from flows.refit import run_refit
 from storage.settings import RefitParams
@@ -36,6 +39,7 @@ def world(prefect_api, tmp_path_factory):
 
     lab = Lab(tmp_path_factory.mktemp("diskfull"), shape=tiny_shape())
     lab.publish("initial")
+    lab.publish("delta")
     lab.publish("delta")
     lab.publish("delta")
     return ct.World(lab.root, lab)
@@ -130,17 +134,156 @@ def test_enospc_while_fetching_keeps_the_installed_version(world, disk):
     assert cs.check_recovered(world, disk.path, "r2") == []
 
 
-def test_enospc_while_materializing_keeps_the_installed_version(world, disk):
+def test_too_little_disk_for_the_copy_is_refused_before_any_change(world, disk):
     assert refit(world, disk.path, "r0") is None  # launch snapshot only: the next delta copies it
-    before = av.protected(store_of(world, disk.path))
+    store = store_of(world, disk.path)
+    before = av.protected(store)
     delta = tree_size(world.lab.catalog_dir.parent / "revisions" / "r1")
     disk.fill(free=delta + 64 * 1024)  # room to download r1, not to copy the checkpoint
     error = refit(world, disk.path, "r1")
-    assert_failed_cleanly(world, disk.path, error, revision="r1", kept="r0", before=before)
-    assert error.mutation_started
+    assert isinstance(error, CapacityError) and not error.mutation_started, error
+    assert (error.revision, error.file) == ("r1", str(store)), error
+    assert error.needed_bytes > tree_size(store / "full" / "r0") and error.free_bytes < error.needed_bytes, error
+    assert f"{error.needed_bytes:,} bytes" in str(error) and f"has {error.free_bytes:,}" in str(error), error
+    assert av.protected(store) == before and list((store / "tmp").iterdir()) == []  # nothing changed, no reserve
+    assert cs.check_recovered(world, disk.path, "r0") == []
     disk.release()
     assert refit(world, disk.path, "r1") is None
     assert cs.check_recovered(world, disk.path, "r1") == []
+
+
+def test_enospc_while_copying_keeps_the_installed_version(world, disk, monkeypatch):
+    assert refit(world, disk.path, "r0") is None
+    before = av.protected(store_of(world, disk.path))
+    fill_at(monkeypatch, disk, "state.updating")  # after the space check: the disk fills while copying
+    error = refit(world, disk.path, "r1")
+    assert disk.ballast.exists()
+    assert_failed_cleanly(world, disk.path, error, revision="r1", kept="r0", before=before)
+    assert error.mutation_started
+    monkeypatch.undo()
+    disk.release()
+    assert refit(world, disk.path, "r1") is None
+    assert cs.check_recovered(world, disk.path, "r1") == []
+
+
+def fill_at(monkeypatch, disk: SmallDisk, point: str) -> None:
+    """Take every free byte away the first time the refit reaches kill point ``point`` (in this process)."""
+    import storage.patch.applier as applier
+    import storage.patch.reconstruct as reconstruct
+    import storage.store.local_store as local_store
+
+    for module in (local_store, reconstruct, applier):
+        def at(name, version=None, _real=module.killpoint):
+            if name == point and not disk.ballast.exists():
+                disk.fill(free=0)
+            return _real(name, version)
+
+        monkeypatch.setattr(module, "killpoint", at)
+
+
+def status(world, cache: Path) -> dict:
+    """``python -m flows.refit status --json``, the operator's view."""
+    done = subprocess.run([sys.executable, "-m", "flows.refit", "status", "--model", world.lab.model, "--cache-dir",
+                           str(cache), "--json"], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+# the in-place steps of a refit that takes the verified r2 folder over (rename) and patches it into r3
+IN_PLACE = ("state.updating", "apply.base_released", "apply.materialized", "apply.block", "verify.before_ready",
+            "verify.recorded")
+
+
+@pytest.mark.parametrize("point", IN_PLACE)
+def test_full_disk_at_every_in_place_step_keeps_the_installed_version(world, disk, monkeypatch, point):
+    assert refit(world, disk.path, "r2") is None
+    store = store_of(world, disk.path)
+    fill_at(monkeypatch, disk, point)
+    error = refit(world, disk.path, "r3")
+    assert disk.ballast.exists()  # the disk was full from that step on (what is free now, the rollback freed)
+    assert isinstance(error, StoreError) and "No space left" in str(error) and error.file, error
+    assert error.revision == "r3" and error.mutation_started, error
+    monkeypatch.undo()
+    # the rollback ran on the reserve: r2 back (renamed or rebuilt), verified, installed, nothing left behind
+    assert cs.check_recovered(world, disk.path, "r2") == []
+    assert sorted(p.name for p in (store / "materialized").iterdir()) == ["r2"]
+    disk.release()
+    assert refit(world, disk.path, "r3") is None
+    assert cs.check_recovered(world, disk.path, "r3") == []
+
+
+def test_full_disk_when_r2_is_renamed_for_patching_into_r3(world, disk, monkeypatch):
+    """The reported failure: the disk fills the moment the verified r2 folder is renamed for patching."""
+    assert refit(world, disk.path, "r2") is None
+    store = store_of(world, disk.path)
+    real_rename = os.rename
+
+    def rename(src, dst, *args, **kwargs):
+        if Path(src) == store / "materialized" / "r2" and Path(dst) == store / "materialized" / "r3":
+            disk.fill(free=0)
+        return real_rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", rename)
+    error = refit(world, disk.path, "r3")
+    monkeypatch.undo()
+    assert disk.ballast.exists()
+    assert isinstance(error, StoreError) and "No space left" in str(error), error
+    assert error.revision == "r3" and error.file.startswith(str(store)), error
+    seen = status(world, disk.path)  # the truth: READY at r2, whose folder exists, verifies and is installed
+    assert (seen["state"]["status"], seen["state"]["version"]) == ("READY", "r2"), seen["state"]
+    assert seen["state"]["source"] == "materialized/r2" and seen["verified"] == ["r0", "r2"], seen
+    assert (seen["active"]["version"], seen["active"]["path"], seen["active_on_disk"]) == ("r2", "materialized/r2",
+                                                                                         True), seen
+    assert cs.check_recovered(world, disk.path, "r2") == []
+    disk.release()
+    assert refit(world, disk.path, "r3") is None
+    assert cs.check_recovered(world, disk.path, "r3") == []
+
+
+def test_too_little_disk_for_the_rollback_reserve_is_refused_before_any_change(world, disk):
+    assert refit(world, disk.path, "r2") is None
+    store = store_of(world, disk.path)
+    before = av.protected(store)
+    delta = tree_size(world.lab.catalog_dir.parent / "revisions" / "r3")
+    disk.fill(free=delta + 128 * 1024)  # r3's delta fits; the records and the rollback's reserve do not
+    error = refit(world, disk.path, "r3")
+    assert isinstance(error, CapacityError) and not error.mutation_started, error
+    assert (error.revision, error.file) == ("r3", str(store)) and error.free_bytes < error.needed_bytes, error
+    assert av.protected(store) == before and list((store / "tmp").iterdir()) == []
+    assert cs.check_recovered(world, disk.path, "r2") == []
+    disk.release()
+    assert refit(world, disk.path, "r3") is None
+    assert cs.check_recovered(world, disk.path, "r3") == []
+
+
+@pytest.mark.parametrize("point", IN_PLACE)
+def test_kill_on_a_full_disk_at_every_in_place_step_recovers_exact_bytes(world, disk, point):
+    """SIGKILL while the disk is full at an in-place step; recovery on the still-full disk keeps the store truthful
+    (typed refusal or success), and once space is back the next refit reaches r3 byte-exact."""
+    assert refit(world, disk.path, "r2") is None
+    trace = disk.path / "events.log"
+    job = world.job(disk.path, "r3", env={"CANONICAL_REFIT_KILLPOINT_GATE": f"{point}:{disk.path / 'never'}"})
+    child = world.children.start(job)
+    try:
+        deadline = time.monotonic() + 120
+        while not (trace.exists() and f'"what": "{point}"' in trace.read_text()):
+            assert child.exitcode is None and time.monotonic() < deadline, f"the refit never reached {point}"
+            time.sleep(0.02)
+        disk.fill(free=0)  # held at the point: the disk fills, then the process dies
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+    assert cs.check_after_crash(world, disk.path) == []
+    error = refit(world, disk.path, "r3")  # recovery, on the full disk
+    assert error is None or isinstance(error, StoreError), error
+    assert cs.check_after_crash(world, disk.path) == []  # READY names a folder holding its version's bytes
+    seen = status(world, disk.path)
+    assert seen["state"]["status"] == "READY" and (store_of(world, disk.path) / seen["state"]["source"]).is_dir()
+    assert seen["active_on_disk"] is (seen["active"]["path"] == seen["state"]["source"]), seen
+    disk.release()
+    assert refit(world, disk.path, "r3") is None
+    assert cs.check_recovered(world, disk.path, "r3") == []
 
 
 def _full_when(predicate):
@@ -184,3 +327,4 @@ def test_enospc_recording_the_verified_target_restores_the_installed_version(wor
     assert cs.check_recovered(world, cache, "r1") == []  # READY, installed identity names the rebuilt files
     assert refit(world, cache, "r2") is None
     assert cs.check_recovered(world, cache, "r2") == []
+

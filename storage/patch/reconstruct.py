@@ -22,7 +22,9 @@ from storage.cancel import StopToken
 from storage.catalog.records import Revision, parse_revision
 from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.format.digests import snapshot_digest
-from storage.durable import boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree
+from storage.durable import (
+    boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size,
+)
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
 )
@@ -78,6 +80,7 @@ def materialize(
     progress: Callable[[int], Callable[[int], None]] | None = None,
     on_updating: Callable[[], None] | None = None,
     stop: StopToken | None = None,
+    check_space: bool = True,
 ) -> Materialized:
     """Apply ``deltas`` (oldest first) to ``base``, producing ``materialized/{target}``.
 
@@ -99,7 +102,15 @@ def materialize(
     target_dir = store.materialized_dir(target.version)
     state = store.state()
     takeover = base.path.startswith("materialized/")
-    store.begin_update(target.version, target_dir, state.version if state else None)
+    if check_space:  # the disk, before the first in-place change: the copy, the records, the rollback's reserve
+        records = store.records_bytes(base)
+        store.reserve_rollback(writes=(0 if takeover else tree_size(base_path)) + records, rollback=records,
+                               revision=target.version, what=f"materializing {target.version} from {base.version}")
+    try:
+        store.begin_update(target.version, target_dir, state.version if state else None)
+    except BaseException:
+        store.release_reserve()  # still READY: no rollback follows
+        raise
     if on_updating:
         on_updating()
     undone = False
@@ -152,13 +163,14 @@ def roll_back(store: LocalStore, error: BaseException, previous: str | None, *, 
     folder is discarded and, when ``rebuild``, ``previous`` is rebuilt from the
     cache if it was lost. Returns what happened, in words.
     """
+    store.release_reserve()  # the rollback writes from here on: the reserve's blocks are its own
     rollback: Rollback | None = getattr(error, "rollback", None)
     if rollback is not None and rollback.takeover and rollback.undone and rollback.folder.is_dir():
         try:
             store.put_back(rollback.base, rollback.folder)
             store.recover()
             return f"{rollback.base.version} was put back in place and re-verified"
-        except OSError as exc:
+        except (OSError, StoreError) as exc:
             log.error("could not put %s back after a failed apply: %s", rollback.base.version, exc)
     if not rebuild:
         store.recover()
@@ -314,7 +326,8 @@ def rebuild_offline(store: LocalStore, version: str, *, workers: int) -> Verifie
         manifests.append(manifest)
         folders[delta] = folder
     target = _memo_record(store, version)
-    done = materialize(store, full, target, manifests, folders, workers=workers)
+    done = materialize(store, full, target, manifests, folders, workers=workers,
+                       check_space=False)  # the rollback's rebuild: the discarded folder's blocks and the reserve
     return verify_target(store, target, done.path, base=full, patched=done.patched, chain=done.chain,
                          full=False, workers=workers, mutated=True)
 

@@ -58,7 +58,7 @@ from storage.durable import (
     atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, read_json_file,
     remove_tree, temp_name, tree_size,
 )
-from storage.errors import Cancelled, InstallError, Interrupted, RefitError, StoreError
+from storage.errors import CapacityError, Cancelled, InstallError, Interrupted, RefitError, StoreError
 from storage.killpoints import killpoint
 from storage.store.locks import StoreLock
 from storage.store.records import (  # noqa: F401  (the records are part of the store's interface)
@@ -101,8 +101,13 @@ def _labelled_files(record: dict) -> dict:
     return record | {"files": {name: {"size": size, "mtime_ns": mtime} for name, (size, mtime) in files.items()}}
 
 
+RESERVE_FLOOR_BYTES = 1 << 20  # the smallest rollback reserve: a few state files, each at least one block
+
+
 class LocalStore:
     """Paths, records and transitions of one model's local store."""
+
+    _reserve: Path | None = None  # this process's rollback reserve (``reserve_rollback``), while it is held
 
     def __init__(self, cache_dir: Path, model: str, *, quota_bytes: int = 500 * 10**9, create: bool = True):
         if quota_bytes <= 0:
@@ -309,6 +314,10 @@ class LocalStore:
             "store": str(self.root),
             "state": _labelled_files(asdict(state)) if state else None,
             "active": _labelled_files(asdict(active)) if active else None,
+            # False when the installed identity's folder is gone or changed (e.g. a rollback could not rebuild
+            # it on a full disk): the engine may still run those weights; the next refit installs a new version
+            "active_on_disk": self.files_match(active.path, active.files) if active and active.path else None,
+            "disk_free_bytes": self.free_bytes(),
             "poisoned": asdict(poisoned) if poisoned else None,
             "installing": asdict(fence) if (fence := self.fence()) else None,
             "verified": sorted(self.inventory()),
@@ -317,7 +326,83 @@ class LocalStore:
             "quota_bytes": self.quota_bytes,
         }
 
+    # -- free disk space and the rollback reserve ---------------------------------------------------
+
+    def free_bytes(self) -> int:
+        """Bytes an unprivileged writer may still allocate on the filesystem holding the store."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    def records_bytes(self, base: VerifiedCheckpoint | None) -> int:
+        """At most what one checkpoint's records take while being replaced: its verified record, chain,
+        ``state.json`` and ``active.json``, each twice (the temporary file beside the old one), rounded up to
+        whole blocks; at least ``RESERVE_FLOOR_BYTES``."""
+        sizes = [self._verified_path(base.version), self._chain_path(base.version)] if base is not None else []
+        total = 0
+        for path in sizes + [self.state_path, self.active_path]:
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                size = 0
+            total += 2 * (size + 2 * 4096)
+        return max(RESERVE_FLOOR_BYTES, total)
+
+    def reserve_rollback(self, *, writes: int, rollback: int, revision: str, what: str) -> None:
+        """Before the first in-place change: check the disk, then hold ``rollback`` bytes for the rollback.
+
+        Raises ``CapacityError`` (nothing changed) unless ``writes + rollback`` bytes are free on the
+        store's filesystem. The rollback bytes are allocated to a reserve file under ``tmp/``
+        (``posix_fallocate``), so a disk that fills up during the update cannot take them;
+        ``release_reserve`` deletes it right before the rollback (or the committed update) writes.
+        A killed process's reserve is a temporary file of another process: the next ``recover`` sweeps it.
+        """
+        self.release_reserve()
+        free = self.free_bytes()
+        needed = writes + rollback
+        if free < needed:
+            raise self._capacity(what, revision, needed, free, writes, rollback)
+        path = self.tmp_dir / temp_name("rollback-reserve")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max(1, rollback))
+            finally:
+                os.close(fd)
+        except OSError as exc:  # ENOSPC between the check and the allocation: still nothing changed
+            path.unlink(missing_ok=True)
+            raise self._capacity(what, revision, needed, self.free_bytes(), writes, rollback) from exc
+        self._reserve = path
+
+    def release_reserve(self) -> int:
+        """Delete this process's rollback reserve (its blocks become free); returns the bytes it held."""
+        path, self._reserve = self._reserve, None
+        if path is None:
+            return 0
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return size
+
+    def _capacity(self, what: str, revision: str, needed: int, free: int, writes: int,
+                  rollback: int) -> CapacityError:
+        error = CapacityError(
+            f"not enough free disk space for {what}: it needs {needed:,} bytes free ({writes:,} to write, "
+            f"{rollback:,} reserved so that a rollback never needs new blocks) and the filesystem has {free:,}; "
+            "free disk space on that filesystem (nothing was changed)", revision=revision, file=str(self.root))
+        error.needed_bytes, error.free_bytes = needed, free
+        return error
+
     # -- transitions of the prepared checkpoint (exclusive lock) ----------------------------------
+
+    def _write_record(self, path: Path, value: dict, *, revision: str | None, what: str) -> None:
+        """Replace one small state file atomically; a failed write (ENOSPC, EIO) is a ``StoreError`` naming
+        the file, and the old file is still whole (temporary file, fsync, rename)."""
+        try:
+            atomic_write_json(path, value)
+        except OSError as exc:
+            raise StoreError(f"could not write {what} ({exc})", revision=revision, file=str(path)) from exc
 
     def _write_state(self, state: StoreState) -> None:
         try:
@@ -348,7 +433,12 @@ class LocalStore:
             raise StoreError(f"could not record the verified checkpoint ({exc})", revision=record.version,
                              file=str(self.absolute(record.path)), mutation_started=True) from exc
         killpoint("verify.recorded")
-        self._write_state(StoreState(READY, record.version, record.files, record.path))
+        try:
+            self._write_state(StoreState(READY, record.version, record.files, record.path))
+        except StoreError as exc:  # still UPDATING over changed bytes: the run rolls back
+            exc.mutation_started = True
+            raise
+        self.release_reserve()  # committed: no rollback can follow
 
     def mark_flushed(self, record: VerifiedCheckpoint) -> bool:
         """Note that ``record``'s bytes reached the disk (after an fsync of its files); False if it changed since.
@@ -392,7 +482,8 @@ class LocalStore:
         fsync_dir(base_path.parent)
         restored = replace(base, files=folder_identity(base_path), verified_at_unix_ms=now_ms(), boot_id=boot_id(),
                            flushed=False)  # the undone bytes are in the page cache
-        atomic_write_json(self._verified_path(restored.version), asdict(restored))
+        self._write_record(self._verified_path(restored.version), asdict(restored), revision=restored.version,
+                           what="the verified record of the restored checkpoint")
         self.follow_active(restored)
         self.point_at(restored)
         return restored
@@ -401,7 +492,8 @@ class LocalStore:
         """If the engine runs ``record``'s bytes, the installed identity must name the files now holding them."""
         active = self.active()
         if active is not None and (active.version, active.digest) == (record.version, record.target_digest):
-            atomic_write_json(self.active_path, asdict(replace(active, path=record.path, files=record.files)))
+            self._write_record(self.active_path, asdict(replace(active, path=record.path, files=record.files)),
+                               revision=record.version, what="the installed identity")
 
     def evict(self, version: str, folder: Path) -> None:
         """Remove a cached folder to make room; a checkpoint's verified record goes first."""
@@ -433,7 +525,7 @@ class LocalStore:
             files=record.files, path=record.path, installer=installer, installed_at_unix_ms=now_ms(),
             launch_files=record.launch_files,
         )
-        atomic_write_json(self.active_path, asdict(identity))
+        self._write_record(self.active_path, asdict(identity), revision=version, what="the installed identity")
         killpoint("activate.written", version)
         self.clear_poisoned()
         return identity
@@ -442,7 +534,8 @@ class LocalStore:
                       engine_urls: tuple[str, ...] = ()) -> PoisonedMark:
         """The engine may hold partial weights: refuse installs until a re-install through ``installer``."""
         mark = PoisonedMark(reason, version, installer, tuple(engine_urls), now_ms())
-        atomic_write_json(self.poisoned_path, asdict(mark) | {"engine_urls": list(mark.engine_urls)})
+        self._write_record(self.poisoned_path, asdict(mark) | {"engine_urls": list(mark.engine_urls)},
+                           revision=version, what="the poisoned mark")
         self.lift_fence()  # the mark says everything the fence did, and more
         return mark
 
@@ -456,7 +549,8 @@ class LocalStore:
         """Before the first engine is called: durably note that ``version`` is being installed (a process killed
         inside the install leaves the engines possibly mixed; the next run re-installs first)."""
         fence = PoisonedMark(f"installing {version}", version, installer, tuple(engine_urls), now_ms())
-        atomic_write_json(self.fence_path, asdict(fence) | {"engine_urls": list(fence.engine_urls)})
+        self._write_record(self.fence_path, asdict(fence) | {"engine_urls": list(fence.engine_urls)},
+                           revision=version, what="the install fence")
         return fence
 
     def lift_fence(self) -> None:
@@ -492,6 +586,7 @@ class LocalStore:
         it) and reports to ``progress(label, total)``.
         """
         actions: list[str] = []
+        self.release_reserve()  # a recovery is a rollback's first write: its blocks are free again
         self.create()
         links = self.scrub_links()
         if links:
