@@ -7,8 +7,10 @@ imported them, even when the command ends with ``os._exit``). ``--help`` of
 every entry point, ``status``, ``recover`` (installer ``none`` or ``sglang``:
 it talks to the engines over HTTP), ``activate``, ``flows.fleet status`` and
 ``import flows.api`` load none; a refit loads Prefect and its flow run
-works (also ``tests/test_receiver_cli.py``: the demo and the JSON CLI runs).
-How fast they start is measured in ``benchmarks/start_time.py``.
+works (also ``tests/test_receiver_cli.py``: the demo and the JSON CLI runs),
+with Prefect's environment defaults set before Prefect was imported
+(``flows.bootstrap``). How fast they start is measured by
+``python -m benchmarks.start_time``, run here once as a command.
 """
 
 from __future__ import annotations
@@ -124,3 +126,31 @@ def test_recovery_through_sglang_engines_runs_without_prefect(tmp_path, fake_sgl
         assert restarted.calls and prefect == []
     store = LocalStore(lab.cache, lab.model)
     assert store.poisoned() is None and store.active().version == "r1"
+
+
+def test_prefect_gets_its_environment_defaults_before_it_is_imported(tmp_path):
+    """After the quick commands' modules (the CLI, the API), importing a flow still sets the defaults first:
+    Prefect's logging set-up reads them when it is imported, and hands the product's logger its API handler."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_LOGGING_", "CANONICAL_REFIT_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    code = ("import logging, os, sys, flows.cli, flows.api; assert 'prefect' not in sys.modules; import flows.refit; "
+            "print(os.environ['PREFECT_LOGGING_EXTRA_LOGGERS'], logging.getLogger('canonical_refit').level, "
+            "[type(h).__name__ for h in logging.getLogger('canonical_refit').handlers])")
+    done, prefect = run(["-c", code], env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().split(maxsplit=2) == ["canonical_refit", "20", "['APILogHandler']"]
+    assert "prefect.logging.handlers" in prefect
+
+
+def test_the_start_time_benchmark_runs_and_finds_no_prefect(tmp_path):
+    """``python -m benchmarks.start_time`` as documented, one round (its figures are in docs/benchmarks.md)."""
+    out = tmp_path / "start.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.start_time", "--rounds", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT_DIR, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["schema"] == "canonical-refit.benchmark.start-time.v1" and result["reference"] == "import numpy"
+    assert {"flows.refit --help", "flows.refit status (empty store)", "flows.fleet status (empty catalog)",
+            "import flows.api"} <= set(result["commands"])
+    assert all(row["prefect_modules"] == 0 for row in result["commands"].values())
+    assert "goal: each command's start <= 2x" in done.stdout
