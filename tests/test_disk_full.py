@@ -46,22 +46,44 @@ def world(prefect_api, tmp_path_factory):
 
 
 class SmallDisk:
-    """A tmpfs of ``DISK_BYTES``; ``fill(free)`` leaves ``free`` bytes, ``release()`` gives them back."""
+    """A tmpfs of ``DISK_BYTES`` (or an ext4 image of 4 x that, loop-mounted); ``fill(free)`` leaves ``free``
+    bytes, ``release()`` gives them back."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fs: str = "tmpfs"):
         self.path = path
+        self.fs = fs
         self.ballast = path / "ballast"
         path.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0755", "tmpfs", str(path)],
-                       check=True, timeout=30)
+        if fs == "tmpfs":
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES},mode=0755", "tmpfs", str(path)],
+                           check=True, timeout=30)
+        else:
+            image = path.parent / "disk.ext4"
+            with open(image, "wb") as fh:
+                fh.truncate(4 * DISK_BYTES)
+            subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, timeout=60)
+            subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, timeout=30)
 
     def free(self) -> int:
         st = os.statvfs(self.path)
-        return st.f_bavail * st.f_frsize
+        return (st.f_bavail if self.fs == "tmpfs" else st.f_bfree) * st.f_frsize  # root writes ext4's reserve
 
     def fill(self, free: int) -> None:
-        with open(self.ballast, "ab") as fh:
-            fh.write(b"\xff" * max(0, self.free() - free))
+        if self.fs == "tmpfs" or free:
+            with open(self.ballast, "ab") as fh:
+                fh.write(b"\xff" * max(0, self.free() - free))
+            return
+        fd = os.open(self.ballast, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # ext4: every block, to ENOSPC
+        try:
+            for chunk in (2**16, 4096, 1):
+                try:
+                    while True:
+                        os.write(fd, b"\xff" * chunk)
+                        os.fsync(fd)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+        finally:
+            os.close(fd)
 
     def release(self) -> None:
         self.ballast.unlink(missing_ok=True)
@@ -77,6 +99,14 @@ class SmallDisk:
 @pytest.fixture
 def disk(tmp_path):
     small = SmallDisk(tmp_path / "disk")
+    yield small
+    small.unmount()
+
+
+@pytest.fixture(params=["tmpfs", "ext4"])
+def any_disk(request, tmp_path):
+    """The small disk as tmpfs and as an ext4 image (delayed allocation, journal, blocks reserved for root)."""
+    small = SmallDisk(tmp_path / "disk", request.param)
     yield small
     small.unmount()
 
@@ -196,7 +226,8 @@ IN_PLACE = ("state.updating", "apply.base_released", "apply.materialized", "appl
 
 
 @pytest.mark.parametrize("point", IN_PLACE)
-def test_full_disk_at_every_in_place_step_keeps_the_installed_version(world, disk, monkeypatch, point):
+def test_full_disk_at_every_in_place_step_keeps_the_installed_version(world, any_disk, monkeypatch, point):
+    disk = any_disk
     assert refit(world, disk.path, "r2") is None
     store = store_of(world, disk.path)
     fill_at(monkeypatch, disk, point)
@@ -213,8 +244,9 @@ def test_full_disk_at_every_in_place_step_keeps_the_installed_version(world, dis
     assert cs.check_recovered(world, disk.path, "r3") == []
 
 
-def test_full_disk_when_r2_is_renamed_for_patching_into_r3(world, disk, monkeypatch):
+def test_full_disk_when_r2_is_renamed_for_patching_into_r3(world, any_disk, monkeypatch):
     """The reported failure: the disk fills the moment the verified r2 folder is renamed for patching."""
+    disk = any_disk
     assert refit(world, disk.path, "r2") is None
     store = store_of(world, disk.path)
     real_rename = os.rename

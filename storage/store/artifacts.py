@@ -13,9 +13,11 @@ import hashlib
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 from storage.durable import atomic_write_bytes, atomic_write_json, file_identity, read_json_file, remove_tree
+from storage.errors import StoreError
 from storage.store.local_store import LocalStore
 
 log = logging.getLogger("canonical_refit.store")
@@ -61,6 +63,15 @@ def shard_bound(sizes: dict[str, int]) -> int:
     return header_bound(sizes) + sum(sizes.values())
 
 
+@contextmanager
+def _typed(what: str, version: str, path: Path):
+    """A local write that fails (ENOSPC on a full disk, EIO) is a ``StoreError`` naming the path."""
+    try:
+        yield
+    except OSError as exc:
+        raise StoreError(f"could not {what} ({exc})", revision=version, file=str(path)) from exc
+
+
 class ArtifactCache:
     """Source-checked artifact folders of one local store."""
 
@@ -92,7 +103,7 @@ class ArtifactCache:
         """
         index_sha = hashlib.sha256(index).hexdigest() if index is not None else None
         folder = self.folder(kind, version)
-        with self._lock:
+        with self._lock, _typed("prepare the artifact folder", version, folder):
             for path in (folder, self._source_path(kind, version)):  # links are removed, never written through
                 if os.path.islink(path):
                     log.warning("removed %s: a link inside the store (the store never follows links)", path)
@@ -126,7 +137,7 @@ class ArtifactCache:
 
     def record(self, kind: str, version: str, name: str) -> None:
         """Note that ``name`` is complete (after its size and header were checked)."""
-        with self._lock:
+        with self._lock, _typed("record the downloaded file", version, self._source_path(kind, version)):
             source = self.source(kind, version) or {}
             files = dict(source.get("files") or {})
             files[name] = file_identity(self.folder(kind, version) / name)

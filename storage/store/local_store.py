@@ -329,9 +329,10 @@ class LocalStore:
     # -- free disk space and the rollback reserve ---------------------------------------------------
 
     def free_bytes(self) -> int:
-        """Bytes an unprivileged writer may still allocate on the filesystem holding the store."""
+        """Bytes this process may still allocate on the filesystem holding the store (root may use the blocks
+        ext4 reserves for it, so ENOSPC comes at ``f_bfree`` for root, at ``f_bavail`` for anyone else)."""
         st = os.statvfs(self.root)
-        return st.f_bavail * st.f_frsize
+        return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
 
     def records_bytes(self, base: VerifiedCheckpoint | None) -> int:
         """At most what one checkpoint's records take while being replaced: its verified record, chain,
