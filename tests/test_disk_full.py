@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,6 +272,37 @@ def test_full_disk_when_r2_is_renamed_for_patching_into_r3(world, any_disk, monk
     disk.release()
     assert refit(world, disk.path, "r3") is None
     assert cs.check_recovered(world, disk.path, "r3") == []
+
+
+def test_an_installed_version_that_cannot_be_rebuilt_is_reported_and_the_next_refit_recovers(world, disk,
+                                                                                               monkeypatch):
+    """The disk fills at the rename and the rollback cannot rebuild r2 (r1's delta left the cache): the store is
+    READY at what verifies, ``status`` says the installed folder is gone, and the next refit needs no help."""
+    assert refit(world, disk.path, "r2") is None
+    store = store_of(world, disk.path)
+    import storage.patch.reconstruct as reconstruct
+
+    def at(name, version=None, _real=reconstruct.killpoint):
+        if name == "apply.materialized" and not disk.ballast.exists():
+            shutil.rmtree(store / "deltas" / "r1")
+            disk.fill(free=0)
+        return _real(name, version)
+
+    monkeypatch.setattr(reconstruct, "killpoint", at)
+    fill_at_records = _full_when(lambda p, d: p.parent.name == "verified" and p.name == "r3.json")
+    monkeypatch.setattr(durable, "atomic_write_bytes", fill_at_records)  # the update fails after patching
+    error = refit(world, disk.path, "r3")
+    monkeypatch.undo()
+    assert isinstance(error, StoreError) and error.revision == "r3" and "No space left" in str(error), error
+    assert not (store / "materialized" / "r2").exists()
+    assert cs.check_after_crash(world, disk.path) == []  # READY names a folder holding its version's bytes
+    seen = status(world, disk.path)
+    assert (seen["state"]["status"], seen["state"]["version"], seen["state"]["source"]) == ("READY", "r0", "full/r0")
+    assert (seen["active"]["version"], seen["active_on_disk"]) == ("r2", False), seen  # the truth, not a folder
+    disk.release()
+    assert refit(world, disk.path, "r3") is None
+    assert cs.check_recovered(world, disk.path, "r3") == []
+    assert status(world, disk.path)["active_on_disk"] is True
 
 
 def test_too_little_disk_for_the_rollback_reserve_is_refused_before_any_change(world, disk):

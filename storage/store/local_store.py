@@ -15,7 +15,7 @@ One folder per model, laid out so a person can inspect it with ``ls`` and
     chains/{v}.json       how to rebuild {v}: its full version and deltas
     verified/{v}.json     digests, per-tensor checksums and file identity of a verified checkpoint
     catalog/{v}.json      memo of immutable catalog records
-    tmp/                  staging of copies (cleared on recovery)
+    tmp/                  staging of copies; an update's rollback reserve (cleared on recovery)
     lock                  the fcntl lock file
 
 States and the named steps that move between them (``docs/format.md``)::
