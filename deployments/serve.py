@@ -219,6 +219,7 @@ NODE_FLAGS = [
 SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
                Flag("heartbeat_s", "--heartbeat-seconds"), Flag("zombie_after_s", "--zombie-after"),
                Flag("wake_on_events", "--no-event-wakeups", invert=True), Flag("fan_out"), Flag("run_may_set"),
+    Flag("trusted_keys", "--trusted-key"),
                Flag("allow_remote_rollback"), Flag("publish", "--serve-publish"),
                Flag("publish_checkpoint_roots", "--publish-checkpoint-root")]
 

@@ -270,3 +270,29 @@ def test_a_publish_run_reads_only_under_the_checkpoint_roots(tmp_path):
         vet({"params": {**mine, "catalog": "file:///elsewhere", "checkpoint": str(root / "step-1"),
                         "state_dir": str(tmp_path), "payload_url": "file:///elsewhere/payload"}})
     assert refused.value.offending == ["params.catalog", "params.state_dir", "params.payload_url"]
+
+
+def test_the_agent_pins_the_keys_it_was_given_as_flags(tmp_path):
+    import base64
+
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from deployments.pinning import RunRefused
+    from deployments.serve import node_environment, run_vetting
+
+    def public() -> str:
+        raw = Ed25519PrivateKey.generate().public_key().public_bytes(serialization.Encoding.Raw,
+                                                                     serialization.PublicFormat.Raw)
+        return base64.b64encode(raw).decode()
+
+    mine, theirs = public(), public()
+    params, settings, _ = parse_args(FLAGS + ["--trusted-key", mine])
+    assert params.trusted_keys == [mine]
+    assert json.loads(node_environment(params)["CANONICAL_REFIT_TRUSTED_KEYS"]) == [mine]
+    vet = run_vetting(params, settings)["refit"]
+    assert vet({"params": {**CONFIGURED, "target": "r2"}})["params"].trusted_keys == [mine]
+    for keys in ([theirs], [], [mine, theirs]):  # a run can neither swap, drop nor add a key
+        with pytest.raises(RunRefused) as refused:
+            vet({"params": {**CONFIGURED, "trusted_keys": keys}})
+        assert refused.value.offending == ["params.trusted_keys"]
