@@ -70,6 +70,8 @@ HEARTBEAT_S = 30.0  # default seconds between refreshes of the node's record (se
 CANCEL_POLL_S = 10.0  # seconds between reads of a running run's state: a fallback, the event stream tells at once
 CANCEL_POLL_NO_EVENTS_S = 2.0  # the same without the event stream (--no-event-wakeups)
 MAX_BACKOFF_S = 30.0  # longest wait between polls while the API fails
+HEAD_POLL_S = 30.0  # default seconds between checks of the catalog's head (serve passes ServeSettings.head_poll_s)
+SHUTDOWN_S = 4.0  # after SIGTERM the process exits within this, whether or not the Prefect API answers
 CANCELLING_EVENT = "prefect.flow-run.Cancelling"
 
 
@@ -88,6 +90,9 @@ class AgentStats:
     heals: int = 0  # refits started because a heartbeat saw the engines drift from the store
     fan_outs: int = 0  # refit-on-publish runs this agent created for published events (--fan-out agent)
     refused: int = 0  # runs whose parameters this node's configuration does not allow (deployments/pinning.py)
+    head_checks: int = 0  # reads of the catalog's head (the level check that catches a lost publication)
+    catch_ups: int = 0  # refit-latest runs created because the head was newer than the node (or to retry)
+    superseded: int = 0  # refit runs ended Skipped, unrun, because a newer version was due (a burst coalesced)
     started_at: float = field(default_factory=time.monotonic)
     run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
 
@@ -111,8 +116,15 @@ class NodeAgent:
                  cancel_poll_s: float = CANCEL_POLL_S, wake_on_events: bool = True,
                  heartbeat: Callable[[bool], Any] | None = None, heartbeat_s: float = HEARTBEAT_S,
                  zombie_after_s: float | None = None, outcomes: dict[str, Callable[..., Any]] | None = None,
-                 fan_out: PublishFanOut | None = None, vet: dict[str, Callable[[dict], dict]] | None = None):
+                 fan_out: PublishFanOut | None = None, vet: dict[str, Callable[[dict], dict]] | None = None,
+                 head_watch: Any = None, head_poll_s: float = HEAD_POLL_S, node: str | None = None):
         self.deployments = deployments
+        # flows.node_report.HeadWatch: the catalog's head against what the node runs (None: events and the interval
+        # schedule only); checked every head_poll_s while no run is due, and before a burst of refits is run
+        self.head_watch = head_watch
+        self.head_poll_s = head_poll_s
+        self._next_head_check = 0.0
+        self.node = node
         # flow name -> the run's parameters as this node runs them, or RunRefused (deployments/pinning.py); a flow
         # with no entry is not run at all (a run's parameters are never run as they come)
         self.vet = vet or {}
@@ -156,7 +168,7 @@ class NodeAgent:
             for deployment_id, deployment in zip(ids, self.deployments):
                 if deployment.name == self.start_now:
                     self._latest_id = deployment_id
-                    client.create_flow_run_from_deployment(deployment_id)
+                    self._create_latest(client, "start-up", self._run_name("-> latest (start-up)"))
                     log.info("scheduled %s once at start-up: the node catches up to latest", deployment.name)
         return ids
 
@@ -230,10 +242,11 @@ class NodeAgent:
             try:
                 if self._heal.is_set() and self._latest_id is not None:
                     self._heal.clear()
-                    self.stats.api_requests += 1
-                    client.create_flow_run_from_deployment(self._latest_id)
+                    self._create_latest(client, "heal: the engines drifted from the installed version")
                     self.stats.heals += 1
-                due = self._due(client, ids)
+                due = self._coalesce(client, self._due(client, ids))
+                if not due and time.monotonic() >= self._next_head_check:
+                    due = self._check_head(client, ids)
                 for run in due:
                     if self.stop.stopped:
                         break
@@ -252,9 +265,97 @@ class NodeAgent:
             if follow_ups:
                 self.stop.wait(follow_ups.pop(0))
                 continue
-            if self._wake.wait(self.poll_s):
+            wait_s = self.poll_s
+            if self.head_watch is not None:
+                wait_s = max(0.05, min(wait_s, self._next_head_check - time.monotonic()))
+            if self._wake.wait(wait_s):
                 self._wake.clear()
                 follow_ups = list(FOLLOW_UP_S)
+
+    # -- the level check: the catalog's head against what the node runs ---------------------------------------
+
+    def _run_name(self, detail: str) -> str:
+        return f"refit {self.node} {detail}" if self.node else f"refit {detail}"
+
+    def _create_latest(self, client, why: str, name: str | None = None):
+        """One run of refit-latest (the start_now deployment), named for the node and the versions."""
+        self.stats.api_requests += 1
+        run = client.create_flow_run_from_deployment(
+            self._latest_id, name=name or self._run_name("-> latest"),
+            tags=[f"node:{self.node}"] if self.node else None)
+        log.info("created flow run %s (%s): %s", run.name, run.id, why)
+        return run
+
+    def _check_head(self, client, ids: list[UUID]) -> list:
+        """Every ``head_poll_s`` with no run due: if the catalog's head is newer than what the node runs (a
+        publication whose event was lost) or the last refit failed on a transient error, create one refit-latest
+        run; the runs due afterwards (that one)."""
+        self._next_head_check = time.monotonic() + self.head_poll_s
+        if self.head_watch is None or self._latest_id is None:
+            return []
+        self.stats.head_checks += 1
+        try:
+            due = self.head_watch.due()
+        except Exception as exc:  # storage down: the next check tries again
+            log.warning("could not check the catalog's head (next check in %.0fs): %s", self.head_poll_s, exc)
+            return []
+        if due is None:
+            return []
+        version, why = due
+        installed = getattr(self.head_watch, "installed", lambda: None)()
+        self._create_latest(client, why, self._run_name(f"{installed or 'none'} -> {version}"))
+        self.stats.catch_ups += 1
+        return self._due(client, ids)
+
+    def _coalesce(self, client, due: list) -> list:
+        """A burst of publications runs one refit: of the refit runs due that only move forward
+        (``only_if_newer``), only the one with the newest target runs; the others end Skipped, unrun, naming
+        the run that supersedes them. If the catalog's head is newer than every one of them, they all end so
+        and one refit-latest run takes their place."""
+        if self.head_watch is None:
+            return due
+        forward = [r for r in due if getattr(self._flows.get(r.deployment_id), "name", None) == "refit"
+                   and _only_if_newer(r)]
+        if not forward:
+            return due
+        try:
+            head = self.head_watch.head()
+        except Exception as exc:  # storage down: run them as they are (each one skips what is not newer)
+            log.debug("coalescing: could not read the catalog's head: %s", exc)
+            return due
+        head_sequence = head[1] if head is not None else None
+
+        def key(run) -> float:
+            target = _target(run)
+            if target == "latest":
+                return float("inf")
+            sequence = self.head_watch.sequence_of(target)
+            return float("-inf") if sequence is None else sequence
+
+        keys = {r.id: key(r) for r in forward}
+        if any(k == float("-inf") for k in keys.values()):
+            return due  # a target the catalog cannot place: nothing is skipped on a guess
+        newest = max(forward, key=lambda r: (keys[r.id], r.created))
+        replacement = None
+        if head_sequence is not None and keys[newest.id] < head_sequence:
+            replacement = self._create_latest(client, f"{head[0]} is newer than every queued refit",
+                                              self._run_name(f"-> {head[0]} (coalesced)"))
+            newest = None
+        skipped = {r.id for r in forward if newest is None or r.id != newest.id}
+        if not skipped:
+            return due
+        from prefect.states import Completed
+
+        keeper = f"flow run {newest.name} to {_target(newest)}" if newest is not None else \
+            f"flow run {replacement.name} to latest ({head[0]})"
+        for run in forward:
+            if run.id in skipped:
+                self.stats.api_requests += 1
+                client.set_flow_run_state(run.id, Completed(
+                    name="Skipped", message=f"superseded by a newer version: {keeper} runs instead"), force=True)
+                self.stats.superseded += 1
+                log.info("flow run %s to %s skipped: superseded by %s", run.name, _target(run), keeper)
+        return [r for r in due if r.id not in skipped]
 
     def _listen(self, subscription: Callable[[], Any]) -> None:
         """Run an event subscription (``_subscribe``, ``_subscribe_published``) until stopped.
@@ -385,8 +486,10 @@ class NodeAgent:
             if outcome is not None:
                 outcome(reset=True)
             state = run_flow(flow, flow_run=claimed, parameters=parameters, return_type="state")
-            log.info("flow run %s ended %s in %.2fs", run.name, getattr(state, "name", state),
-                     time.perf_counter() - started)
+            failed = state is not None and hasattr(state, "is_failed") and (state.is_failed() or state.is_crashed())
+            (log.error if failed else log.info)(
+                "flow run %s ended %s in %.2fs%s", run.name, getattr(state, "name", state),
+                time.perf_counter() - started, f": {state.message}" if failed and state.message else "")
             self._settle(client, run, state, outcome)
         except BaseException as exc:  # the engine reported it on the run; the agent serves on
             log.error("flow run %s failed in the agent: %s", run.name, exc)
@@ -453,25 +556,72 @@ class NodeAgent:
                 return
 
 
+def _target(run) -> str | None:
+    params = (run.parameters or {}).get("params")
+    return params.get("target", "latest") if isinstance(params, dict) else None
+
+
+def _only_if_newer(run) -> bool:
+    params = (run.parameters or {}).get("params")
+    return isinstance(params, dict) and params.get("only_if_newer") is True
+
+
 def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float = POLL_S,
                      start_now: str | None = None, cancel_poll_s: float = CANCEL_POLL_S,
                      wake_on_events: bool = True, heartbeat: Callable[[bool], Any] | None = None,
                      heartbeat_s: float = HEARTBEAT_S, zombie_after_s: float | None = None,
                      outcomes: dict[str, Callable[..., Any]] | None = None,
                      fan_out: PublishFanOut | None = None,
-                     vet: dict[str, Callable[[dict], dict]] | None = None) -> AgentStats:
-    """Run a ``NodeAgent`` in a worker thread while the main thread owns the signals."""
+                     vet: dict[str, Callable[[dict], dict]] | None = None, head_watch: Any = None,
+                     head_poll_s: float = HEAD_POLL_S, node: str | None = None,
+                     shutdown_s: float = SHUTDOWN_S) -> AgentStats:
+    """Run a ``NodeAgent`` in a worker thread while the main thread owns the signals.
+
+    Once stopped (SIGTERM, Ctrl-C) the process ends within ``shutdown_s``
+    whatever the Prefect API does: the agent thread gets until then to end
+    its run (``INTERRUPTED``, the store recoverable) and say so to the
+    server; an API that does not answer cannot hold it longer. If the
+    thread (or Prefect's own workers draining their logs and events to a
+    server that is gone) still holds the process then, it exits anyway
+    (``os._exit``): the store is crash-safe at every point, the next start
+    recovers it, and the run left ``Running`` on the server is closed by the
+    next start's orphan check (``deployments/orphans.py``).
+    """
     from storage.cancel import signals_stop_the_run
 
     outcome: dict = {}
+    stopped_at: list[float] = []
     with signals_stop_the_run() as stop:
+        stop.add_listener(lambda: stopped_at.append(time.monotonic()))
         agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
                           wake_on_events=wake_on_events, stop=stop, heartbeat=heartbeat, heartbeat_s=heartbeat_s,
-                          zombie_after_s=zombie_after_s, outcomes=outcomes, fan_out=fan_out, vet=vet)
+                          zombie_after_s=zombie_after_s, outcomes=outcomes, fan_out=fan_out, vet=vet,
+                          head_watch=head_watch, head_poll_s=head_poll_s, node=node)
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, args=(lambda: outcome.update(stats=agent.run()),),
                                   name="node-agent", daemon=True)
         thread.start()
         while thread.is_alive():
-            thread.join(0.5)
+            thread.join(0.2)
+            if stopped_at and time.monotonic() - stopped_at[0] > shutdown_s * 0.75:
+                log.warning("the agent did not finish stopping within %.1fs (the Prefect API does not answer?): "
+                            "exiting; the next start recovers the store and closes the run left in progress",
+                            shutdown_s * 0.75)
+                break
+    if stopped_at:
+        _exit_by(stopped_at[0] + shutdown_s)
     return outcome.get("stats", agent.stats)
+
+
+def _exit_by(deadline: float) -> None:
+    """Make sure the process is gone by ``deadline`` (monotonic): Prefect's log and event workers drain to the
+    API at interpreter exit, and an API that does not answer would hold the exit for their retries."""
+    import os
+
+    def force() -> None:
+        logging.shutdown()
+        os._exit(0)
+
+    timer = threading.Timer(max(0.0, deadline - time.monotonic()), force)
+    timer.daemon = True
+    timer.start()

@@ -95,10 +95,14 @@ class ServeSettings(BaseSettings):
                           description="seconds between the agent's queries for flow runs to start (each is one API "
                                       "request while idle); triggered runs start at once anyway, on their "
                                       "scheduled-run event (docs/fleet.md)")
+    head_poll_s: float = Field(30.0, ge=1, le=60,
+                               description="seconds between the agent's checks of the catalog's head (a few object "
+                                           "reads): a publication whose event was lost, or a refit that failed on a "
+                                           "transient error, is caught up within this (at most 60 s)")
     heartbeat_s: float = Field(30.0, ge=1, le=3600,
                                description="seconds between refreshes of this node's status record (alive, and what "
                                            "its engines run; a drift found is healed by a refit); readers count a "
-                                           "node stale after three missed beats")
+                                           "node stale after one beat plus a grace")
     zombie_after_s: float | None = Field(
         None, ge=30, description="a refit run whose Prefect flow-run heartbeats stop for this many seconds without "
                                  "a final state is marked Crashed by a server automation (its agent is gone); "
@@ -175,14 +179,14 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
         interval=timedelta(seconds=settings.interval_s),
         parameters=refit_parameters(params, target="latest", only_if_newer=True),
         description=f"Refit {params.model} to the latest revision of {params.catalog} when it is newer.",
-        tags=TAGS,
+        tags=[*TAGS, f"node:{params.node}"],
     )
     on_publish = refit.to_deployment(
         f"refit-on-publish{suffix}",
         triggers=[on_publish_trigger(params, suffix)] if settings.fan_out == "automation" else [],
         parameters=refit_parameters(params, target="latest", only_if_newer=True),
         description=f"Refit {params.model} to each version announced by {EVENT}; older versions are skipped.",
-        tags=TAGS,
+        tags=[*TAGS, f"node:{params.node}"],
     )
     if not settings.publish:
         return [latest, on_publish]
@@ -215,11 +219,12 @@ NODE_FLAGS = [
     Flag("installer.engine_urls", "--engine-url"), Flag("retries"), Flag("retry_delay_s", "--retry-delay"),
     Flag("stage_retries"), Flag("stage_retry_delay_s", "--stage-retry-delay"),
     Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
+    Flag("trusted_keys", "--trusted-key"),
 ]
 SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
-               Flag("heartbeat_s", "--heartbeat-seconds"), Flag("zombie_after_s", "--zombie-after"),
+               Flag("heartbeat_s", "--heartbeat-seconds"), Flag("head_poll_s", "--head-poll-seconds"),
+               Flag("zombie_after_s", "--zombie-after"),
                Flag("wake_on_events", "--no-event-wakeups", invert=True), Flag("fan_out"), Flag("run_may_set"),
-    Flag("trusted_keys", "--trusted-key"),
                Flag("allow_remote_rollback"), Flag("publish", "--serve-publish"),
                Flag("publish_checkpoint_roots", "--publish-checkpoint-root")]
 
@@ -338,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                              wake_on_events=settings.wake_on_events, heartbeat_s=settings.heartbeat_s,
                              heartbeat=lambda busy: node_report.refresh_node(params, installer, busy=busy),
                              zombie_after_s=settings.zombie_window_s(),
-                             outcomes={"refit": last_refit_outcome}, fan_out=fan_out)
+                             outcomes={"refit": last_refit_outcome}, fan_out=fan_out,
+                             head_watch=node_report.HeadWatch(params), head_poll_s=settings.head_poll_s,
+                             node=params.node)
     log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,
              time.monotonic() - stats.started_at)
     return 0

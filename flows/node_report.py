@@ -7,7 +7,7 @@ engine reports the store's installed version; otherwise the record is
 ends (``report_node``); a node agent refreshes it every ``heartbeat_s``
 while it runs (``refresh_node``), so readers can tell a live idle node from
 a dead one, and a drift (an engine restarted on its launch weights) is seen
-within one beat.
+within one beat, whether or not a run is in progress.
 """
 
 from __future__ import annotations
@@ -92,11 +92,15 @@ def attempted_version(params: RefitParams, result: RefitResult) -> str | None:
 def refresh_node(params: RefitParams, installer, *, busy: bool = False) -> NodeRecord | None:
     """A heartbeat: the node is alive; ask its engines again and rewrite its record (a run's outcome kept).
 
-    While a run is in progress (``busy``) only the time of life changes: the
-    engines may be between versions. Returns the record written, whose
-    ``condition()`` is ``DRIFTED`` when an engine no longer runs what the
-    store installed (the agent then refits to heal it); None if nothing
-    could be written.
+    Busy (a run in progress) or not, the engines are asked what they run
+    now and the record says it: ``version`` only while every engine confirms
+    the store's installed version, else ``DRIFTED`` with each engine's word
+    (while a run installs, the engines may briefly be ahead of the store: the
+    record then says DRIFTED until the run writes its outcome). A busy beat
+    never turns a DRIFTED record back to READY: the run's own record does.
+    Returns the record written, whose ``condition()`` is ``DRIFTED`` when an
+    engine no longer runs what the store installed (an idle agent then
+    refits to heal it); None if nothing could be written.
     """
     with _writing:
         written = _refresh(params, installer, busy)
@@ -125,14 +129,15 @@ def _refresh(params: RefitParams, installer, busy: bool) -> tuple[NodeRecord, st
         previous = NodeRecord(node=params.node, model=params.model, version=None, digest=None, status="STARTED",
                               updated_at_unix_ms=now)
     record = replace(previous, alive_at_unix_ms=now, heartbeat_s=heartbeat_interval_s)
-    if not busy:
-        seen = observed(params, installer)
-        status = record.status
-        if seen["store_version"] is not None and seen["version"] is None:
-            status = DRIFTED
-        elif status == DRIFTED:
-            status = READY  # healed (by a refit, or the engine came back on the installed version)
-        record = replace(record, status=status, **seen)
+    # busy or not, the engines are asked: a run may sit in bookkeeping (or in API retries) long after its record
+    # was written, and an engine restarted meanwhile must not be left claimed at the version it no longer runs
+    seen = observed(params, installer)
+    status = record.status
+    if seen["store_version"] is not None and seen["version"] is None:
+        status = DRIFTED
+    elif status == DRIFTED and not busy:
+        status = READY  # healed (by a refit, or the engine came back on the installed version)
+    record = replace(record, status=status, **seen)
     return (record, previous.status) if _write(params, record) else None
 
 
@@ -157,3 +162,78 @@ def _emit(params: RefitParams, record: NodeRecord) -> None:
                    payload=record.to_json())
     except Exception as exc:  # events are a view of the outcome, never part of it
         log.warning("could not emit the node event of %s: %s", params.node, exc)
+
+
+class HeadWatch:
+    """The agent's level check against the catalog: is the catalog's head newer than what this node runs?
+
+    ``due()`` reads the head (``Catalog.head()``: a few requests on a flat
+    catalog), what the store installed, and this node's record, and returns
+    ``(head version, why)`` when a refit to latest should run now, else None:
+
+    * the head is newer than the installed version (a publication whose
+      event was lost, or made while the agent was down), unless this node's
+      last run failed that version (or a newer one) for a reason that is not
+      transient, or the node is poisoned: those wait for a new publication or
+      an operator;
+    * so a refit that failed on a transient error (storage down) is tried
+      again at the next check, not left until the next publication.
+
+    ``sequence_of(version)`` orders versions (for coalescing a burst of
+    publications); None when the catalog cannot say. Storage errors raise
+    (``RefitError``): the agent logs them and checks again at its next poll.
+    """
+
+    def __init__(self, params: RefitParams):
+        from storage.catalog.records import Catalog
+        from storage.catalog.signing import RecordVerifier
+
+        self.params = params
+        self.catalog = Catalog(ObjectStore.shared(params.storage), params.catalog, params.model,
+                               verify=RecordVerifier.from_settings(params.trusted_keys))
+
+    def sequence_of(self, version: str | None) -> int | None:
+        if version is None:
+            return None
+        try:
+            return self.catalog.read(version).sequence
+        except RefitError:
+            return None
+
+    def installed(self) -> str | None:
+        """The version the store records as installed (None: none yet)."""
+        active = _installed(self.params)
+        return active.version if active is not None else None
+
+    def head(self) -> tuple[str, int] | None:
+        record = self.catalog.head()
+        return None if record is None else (record.version, record.sequence)
+
+    def due(self) -> tuple[str, str] | None:
+        head = self.head()
+        if head is None:
+            return None
+        version, sequence = head
+        active = _installed(self.params)
+        installed = active.version if active is not None else None
+        if installed == version:
+            return None
+        installed_sequence = self.sequence_of(installed)
+        if installed_sequence is not None and installed_sequence >= sequence:
+            return None
+        scan = scan_node_records(ObjectStore.shared(self.params.storage), self.params.catalog, self.params.model,
+                                 only=self.params.node)
+        record = next((r for r in scan.records if r.node == self.params.node), None)
+        if record is not None and record.status == "POISONED":
+            return None
+        if record is not None and record.status == "FAILED":
+            failed = self.sequence_of(record.attempted)
+            if not record.transient and failed is not None and failed >= sequence:
+                return None  # this version was refused for good: a new publication or an operator moves it on
+            if record.transient:
+                return version, f"retrying {version} after a transient failure ({record.error})"
+        if installed is None:
+            return version, f"the node has no installed version; the catalog's head is {version}"
+        if installed_sequence is None:
+            return None  # the installed version is not in this catalog (a launch version): latest decides once
+        return version, f"the catalog's head is {version}, the node runs {installed}"

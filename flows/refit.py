@@ -206,7 +206,7 @@ def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None
     return result
 
 
-@flow(name="refit", flow_run_name="refit {params.model} to {params.target}", validate_parameters=True,
+@flow(name="refit", flow_run_name="refit {params.node}: {params.model} to {params.target}", validate_parameters=True,
       persist_result=False, result_storage=unpersisted_results())
 def refit(params: RefitParams) -> State:
     """Resolve, seed, fetch, apply, verify, install and activate one target revision."""
