@@ -125,16 +125,29 @@ def _documented_commands(module: str) -> list[tuple[str, list[str]]]:
     return found
 
 
-def test_every_documented_fleet_command_parses_as_printed():
+def _with_keys_of_our_own(argv: list[str], keys: dict[str, str]) -> list[str]:
+    """``argv`` with the key files it names (the user's, e.g. /etc/refit/...) replaced by keys made here."""
+    out = list(argv)
+    for i, arg in enumerate(argv[:-1]):
+        if arg in keys:
+            out[i + 1] = keys[arg]
+    return out
+
+
+def test_every_documented_fleet_command_parses_as_printed(tmp_path):
     """The fleet's commands in the README and docs are accepted as printed (a flag that argparse would refuse,
     such as a value starting with '-', fails here, not on a user's host)."""
     from deployments.serve import parse_args as serve_args
     from flows.fleet import FleetParams, FLEET_FLAGS_BY_COMMAND, _parser as fleet_parser
     from flows.options import build, given
     from flows.publish import parse_args as publish_args
+    from storage.catalog.signing import keygen_main
 
-    serves, fleets, publishes = (_documented_commands(m) for m in ("deployments.serve", "flows.fleet",
-                                                                   "flows.publish"))
+    assert keygen_main(["--out", str(tmp_path)]) == 0
+    keys = {"--trusted-key": str(tmp_path / "catalog-signing-key.pub.pem"),
+            "--signing-key": str(tmp_path / "catalog-signing-key.pem")}
+    serves, fleets, publishes = ([(doc, _with_keys_of_our_own(argv, keys)) for doc, argv in _documented_commands(m)]
+                                 for m in ("deployments.serve", "flows.fleet", "flows.publish"))
     assert len(serves) >= 3 and len(fleets) >= 4 and len(publishes) >= 2, (serves, fleets, publishes)
     for doc, argv in serves:
         params, settings, _ = serve_args(argv)
