@@ -646,8 +646,9 @@ class LocalStore:
             return (f"forgot {record.version}: verified before a restart but not yet on disk, and its bytes no "
                     "longer match; it will be rebuilt")
         fsync_files(folder, record.files)
-        atomic_write_json(self._verified_path(record.version),
-                          asdict(replace(record, flushed=True, boot_id=boot_id())))
+        trusted = replace(record, flushed=True, boot_id=boot_id())
+        self._write_record(self._verified_path(record.version), asdict(trusted), revision=record.version,
+                           what="the re-verified record")
         return f"re-verified {record.version} after a restart (its bytes were not known to be on disk)"
 
     def _sweep_temp_files(self) -> int:
