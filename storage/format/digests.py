@@ -102,11 +102,10 @@ def checksum_bytes(name: str, data) -> str:
 
 def is_checksum(name: str, value: object) -> bool:
     """True if ``value`` is a well-formed checksum of format ``name``."""
-    return (
-        isinstance(value, str)
-        and len(value) == CHECKSUM_HEX_LENGTH[name]
-        and all(c in "0123456789abcdef" for c in value)
-    )
+    return isinstance(value, str) and _CHECKSUM_PATTERNS[name].fullmatch(value) is not None
+
+
+_CHECKSUM_PATTERNS = {name: re.compile(f"[0-9a-f]{{{n}}}") for name, n in CHECKSUM_HEX_LENGTH.items()}
 
 
 def format_digest(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:

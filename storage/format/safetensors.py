@@ -45,6 +45,12 @@ class TensorInfo:
         return self.end - self.start
 
 
+def _info_dict(info: TensorInfo) -> dict:
+    """The attribute dictionary of a ``TensorInfo`` made with ``object.__new__`` (filled without the frozen
+    dataclass's per-field ``object.__setattr__``: a header of 100k tensors makes 100k of them)."""
+    return info.__dict__
+
+
 @dataclass(frozen=True)
 class SafetensorsHeader:
     """A validated header: its length, metadata and tensors."""
@@ -90,13 +96,36 @@ def parse_header(
         raise fail("__metadata__ must map strings to strings")
     data_size = file_size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    sizes, keys, new, info_dict = DTYPE_SIZES, _TENSOR_KEYS, object.__new__, _info_dict
     for name, entry in raw.items():
-        tensors[name] = _tensor_info(name, entry, data_size, fail)
-    ordered = sorted(tensors.values(), key=lambda t: (t.start, t.end))
-    for prev, cur in zip(ordered, ordered[1:]):
-        if cur.start < prev.end:
-            raise fail(f"data_offsets of {cur.name!r} overlap those of {prev.name!r}", tensor=cur.name)
-    last = max((t.end for t in ordered), default=0)
+        # the well-formed entry, checked inline (a tensor's cost is a few dictionary lookups, not calls);
+        # anything else goes through ``_tensor_info``, which names what is wrong
+        if type(entry) is dict and name and entry.keys() == keys:
+            dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if type(dtype) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2:
+                start, end = offsets
+                if type(start) is int and type(end) is int and 0 <= start <= end <= data_size:
+                    count = 1
+                    for d in shape:
+                        if type(d) is not int or d < 0:
+                            break
+                        count *= d
+                    else:
+                        width = sizes.get(dtype)
+                        if width is not None and count * width == end - start:
+                            info = new(TensorInfo)
+                            info_dict(info).update(name=name, dtype=dtype, shape=tuple(shape), start=start, end=end)
+                            tensors[name] = info
+                            spans.append((start, end, name))
+                            continue
+        info = tensors[name] = _tensor_info(name, entry, data_size, fail)
+        spans.append((info.start, info.end, name))
+    spans.sort()
+    for prev, cur in zip(spans, spans[1:]):
+        if cur[0] < prev[1]:
+            raise fail(f"data_offsets of {cur[2]!r} overlap those of {prev[2]!r}", tensor=cur[2])
+    last = max((end for _, end, _ in spans), default=0)
     if last != data_size:  # nothing may follow the last tensor (what the safetensors library checks too)
         raise fail(f"{data_size - last} byte(s) follow the last tensor's end at {last} in the "
                    f"{data_size}-byte data section")

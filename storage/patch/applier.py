@@ -18,16 +18,16 @@ dirties it at most once.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
 from storage.cancel import StopToken
-from storage.format.changes import PAGE, page_runs, page_spans, touched_pages
+from storage.format.changes import PAGE, DenseChange, page_runs, page_spans, touched_pages
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
-from storage.format.codec import Decoder, make_decoder
+from storage.format.codec import DENSE_PAGES_RATIO, Decoder, make_decoder
+from storage.format.frames import SMALL_FRAME, decode_small
 from storage.format.digests import new_checksum
 from storage.errors import ChecksumMismatch
 from storage.killpoints import killpoint
@@ -76,10 +76,17 @@ class _Releases:
         self._bytes = 0
 
     def add(self, view: np.ndarray, start: int, length: int) -> None:
+        self.add_many([(view, start, length)])
+
+    def add_many(self, ranges: list[tuple[np.ndarray, int, int]]) -> None:
+        """``add`` for each ``(view, start, length)``, under one lock (a batch of tiny tensors)."""
+        keyed = [(id(view), start, start + length) for view, start, length in ranges]
         with self._lock:
-            self._views.setdefault(id(view), view)
-            self._ranges.append((id(view), start, start + length))
-            self._bytes += length
+            views = self._views
+            for view, _, _ in ranges:
+                views.setdefault(id(view), view)
+            self._ranges += keyed
+            self._bytes += sum(length for _, _, length in ranges)
             if self._bytes < RELEASE_BATCH and len(self._ranges) < RELEASE_RANGES:
                 return
             ranges, self._ranges, self._bytes = self._ranges, [], 0
@@ -132,6 +139,11 @@ class Maps:
             advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
         return memoryview(view)[step.start: step.end]
 
+    def release_small(self, ranges: list[tuple[np.ndarray, int, int]]) -> None:
+        """Drop small ranges (``(view, start, length)``, each under ``SMALL``) in the next batch."""
+        if ranges:
+            self._releases.add_many(ranges)
+
     def release_frame(self, step: "PatchStep") -> None:
         view = self._bucket(step)
         if step.end - step.start >= SMALL:
@@ -174,18 +186,19 @@ class Maps:
             files.close()
 
 
-@dataclass
 class Progress:
-    """How far one tensor got: whole blocks, then steps into the block being patched; pages it wrote."""
+    """How far one tensor got: whole blocks, then steps into the block being patched; pages it wrote.
 
-    plan: "TensorPlan"
-    block_size: int
-    bounds: list[tuple[int, int]] = field(default_factory=list)
-    decoders: list[Decoder | None] = field(default_factory=list)
-    blocks: int = 0
-    steps_in_block: int = 0
-    pages_written: int = 0
-    blocks_unchanged: int = 0
+    A plain class with slots (one is made per tensor: 100k of them in a refit of an MoE checkpoint)."""
+
+    __slots__ = ("plan", "block_size", "bounds", "decoders", "blocks", "steps_in_block", "pages_written",
+                 "blocks_unchanged")
+
+    def __init__(self, plan: "TensorPlan", block_size: int) -> None:
+        self.plan, self.block_size = plan, block_size
+        self.bounds: list[tuple[int, int]] = []
+        self.decoders: list[Decoder | None] = []
+        self.blocks = self.steps_in_block = self.pages_written = self.blocks_unchanged = 0
 
     @property
     def touched(self) -> bool:
@@ -245,6 +258,102 @@ def apply_tensor(maps: Maps, state: Progress, target_format: str, progress: Call
                 mutation_started=True, **step.context(name),
             )
     return final.hexdigest()
+
+
+def is_tiny(plan: "TensorPlan", block_size: int) -> bool:
+    """A tensor ``apply_tiny`` patches: dense XOR steps only, validated, decoded whole, inside one block and
+    under ``SMALL`` (its pages are faulted in on touch: no ``madvise``)."""
+    location = plan.location
+    n = location.nbytes
+    if not 0 < n < SMALL or n > SMALL_FRAME or n > block_size:
+        return False
+    size = max(PAGE, -(-block_size // PAGE) * PAGE)
+    if location.offset // size != (location.offset + n - 1) // size:
+        return False
+    for step in plan.steps:
+        v = step.validated
+        if step.encoding != "xor" or v is None or v.encoding != "xor" or v.nbytes != n \
+                or v.frame_size != step.end - step.start:
+            return False
+    return True
+
+
+def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: StopToken,
+               fallback: Callable[[Progress], str]) -> list[str]:
+    """Patch a batch of tiny tensors (``is_tiny``), one after the other; returns each one's checksum in
+    ``target_format``.
+
+    The same bytes, pages, checksums and errors as ``apply_tensor`` (each step's checksum on the bytes as
+    written, a page no step changes never written, ``Progress`` kept for undo), without its per-block
+    machinery: each frame is decoded in one call, the tensor's view is a slice of its shard's mapping, and
+    the small ranges to drop are handed over once for the batch. ``halt`` is checked once per batch (a batch
+    is at most ``TINY_BATCH`` tensors under ``SMALL``: no more bytes than one block of a large tensor). A
+    frame that does not decode cleanly goes through ``fallback`` (``apply_tensor``), which names the problem.
+    """
+    out: list[str] = []
+    releases: list[tuple[np.ndarray, int, int]] = []
+    shards = maps.shards
+    if states:
+        halt.check(tensor=states[0].plan.location.name, mutation_started=True)
+    try:
+        for state in states:
+            plan = state.plan
+            location = plan.location
+            n = location.nbytes
+            steps = plan.steps
+            changes = []
+            for step in steps:
+                frame = maps._bucket(step)
+                whole = decode_small(frame[step.start: step.end], n)
+                if whole is None:
+                    break
+                changes.append(DenseChange(np.frombuffer(whole, dtype=np.uint8),
+                                           step.end - step.start > n * DENSE_PAGES_RATIO))
+                releases.append((frame, step.start, step.end - step.start))
+            if len(changes) != len(steps):
+                out.append(fallback(state))
+                continue
+            state.bounds = [(0, n)]
+            state.decoders = [None] * len(steps)  # XOR steps: undo decodes their frames again
+            view = shards.array(location.file)
+            start = location.offset
+            head = start % PAGE
+            if len(changes) == 1 and changes[0].all_pages:
+                pages = True  # what ``touched_pages`` says of one dense change over every page
+            else:
+                pages = touched_pages(changes, head, n)
+            block = view[start: start + n]
+            spans = None if pages is True else page_spans(pages, head, n)
+            sums = []
+            for i, (change, step) in enumerate(zip(changes, steps)):
+                if spans != []:
+                    change.apply(block, spans)
+                state.steps_in_block = i + 1
+                h = new_checksum(step.checksum_format)
+                h.update(block)
+                sums.append(h.hexdigest())
+            state.blocks, state.steps_in_block = 1, 0
+            if pages is False:
+                state.blocks_unchanged = 1
+            else:
+                state.pages_written = (head + n + PAGE - 1) // PAGE if pages is True else int(pages.sum())
+            releases.append((view, start, n))
+            killpoint("apply.block")
+            for step, got in zip(steps, sums):
+                if got != step.checksum:
+                    raise ChecksumMismatch(
+                        f"tensor bytes hash to {got} after applying the delta, the bucket says {step.checksum}",
+                        mutation_started=True, **step.context(location.name),
+                    )
+            if steps[-1].checksum_format == target_format:
+                out.append(sums[-1])
+            else:
+                final = new_checksum(target_format)
+                final.update(block)
+                out.append(final.hexdigest())
+    finally:
+        maps.release_small(releases)
+    return out
 
 
 def undo(maps: Maps, touched: list[Progress], base: Mapping[str, str], fmt: str, checkpoint: CheckpointIndex,

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
-from storage.patch.applier import Maps, Progress, apply_tensor, undo
+from storage.patch.applier import SMALL, Maps, Progress, apply_tensor, apply_tiny, is_tiny, undo
 from storage.cancel import StopToken
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
 from storage.format.codec import ValidatedFrame, validate_frame
@@ -33,6 +33,7 @@ from storage.format.safetensors import read_header
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
 MIN_FOLD_BLOCK = 2**20
+TINY_BATCH = 64  # tensors an apply worker takes at once: tiny ones are patched together (applier.apply_tiny)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ class PlanSource(Protocol):
     def take(self) -> str | None:
         """The next tensor to patch (a ready one, largest first; may block); None when all are taken."""
 
+    def take_many(self, limit: int, small: int) -> list[str]:
+        """The tensors ``take`` would hand out next, in that order: one, and if it is under ``small`` bytes the
+        ready ones after it while they are too, up to ``limit`` (blocks only for the first); [] when all are
+        taken. Optional: ``take`` is used without it."""
+
     def plan(self, name: str) -> TensorPlan:
         """The plan of a taken tensor, its buckets validated."""
 
@@ -96,6 +102,17 @@ class StaticPlans:
     def take(self) -> str | None:
         with self._lock:
             return self._queue.pop() if self._queue else None
+
+    def take_many(self, limit: int, small: int) -> list[str]:
+        with self._lock:
+            queue, plans = self._queue, self._plans
+            taken: list[str] = []
+            while queue and len(taken) < limit:
+                if taken and plans[queue[-1]].location.nbytes >= small or \
+                        len(taken) == 1 and plans[taken[0]].location.nbytes >= small:
+                    break
+                taken.append(queue.pop())
+            return taken
 
     def plan(self, name: str) -> TensorPlan:
         return self._plans[name]
@@ -145,9 +162,10 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                             tensor=name)
     if expected and not header.metadata:
         raise ManifestError("bucket has no __metadata__ with target checksums", revision=version, file=uri)
-    out = {}
+    rows: list[tuple[str, int, int, str]] = []  # (tensor, frame start, frame end, checksum), in name order
+    tensors, metadata, data_offset, fmt = header.tensors, header.metadata, header.data_offset, manifest.checksum_format
     for name in sorted(expected):
-        info = header.tensors.get(name)
+        info = tensors.get(name)
         if info is None:
             raise ManifestError("tensor named by the index is missing from its bucket", revision=version,
                                 file=uri, tensor=name)
@@ -157,54 +175,63 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
         if info.dtype != "U8" or len(info.shape) != 1:
             raise ManifestError(f"delta tensor must be 1-D U8, found {info.dtype} {list(info.shape)}",
                                 revision=version, file=uri, tensor=name)
-        checksum = header.metadata.get(name)
+        checksum = metadata.get(name)
         if checksum is None:
             raise ManifestError("bucket metadata has no checksum for the tensor", revision=version, file=uri,
                                 tensor=name)
-        if not is_checksum(manifest.checksum_format, checksum):
-            raise ManifestError(f"checksum {checksum!r} is not a {manifest.checksum_format} checksum",
+        if not is_checksum(fmt, checksum):
+            raise ManifestError(f"checksum {checksum!r} is not a {fmt} checksum",
                                 revision=version, file=uri, tensor=name)
-        start = header.data_offset + info.start
-        out[name] = PatchStep(version, manifest.delta_encoding, path, uri, start, start + info.nbytes,
-                              checksum, manifest.checksum_format)
+        start = data_offset + info.start
+        rows.append((name, start, start + info.nbytes, checksum))
+    encoding = manifest.delta_encoding
     with MappedFiles(path.parent) as maps:
         data = maps.array(path.name)
 
-        def validated(name: str) -> PatchStep:
+        def validated(row: tuple[str, int, int, str]) -> PatchStep:
             # one streaming pass validates the frame (a sparse record whole); nothing is applied
-            step = out[name]
-            return replace(step, validated=validate_frame(step.encoding, memoryview(data[step.start:step.end]),
-                                                          checkpoint[name].nbytes, **step.context(name)))
+            name, start, end, checksum = row
+            frame = validate_frame(encoding, memoryview(data[start:end]), checkpoint[name].nbytes,
+                                   revision=version, file=uri, tensor=name)
+            return _patch_step(version, encoding, path, uri, start, end, checksum, fmt, frame)
 
-        names = sorted(out)
-        if workers > 1 and len(names) > 1:
-            groups = _groups(names, out)  # tiny frames go to a thread together: one future per group, not per tensor
+        if workers > 1 and len(rows) > 1:
+            groups = _groups(rows)  # tiny frames go to a thread together: one future per group, not per tensor
 
-            def validate_group(group: list[str]) -> list[PatchStep]:
-                return [validated(name) for name in group]
+            def validate_group(group: list[tuple[str, int, int, str]]) -> list[PatchStep]:
+                return [validated(row) for row in group]
 
             with ThreadPoolExecutor(min(workers, len(groups)), thread_name_prefix="validate") as pool:
                 # the groups' results in order: raises the first failure in name order
                 steps = [step for done in pool.map(validate_group, groups) for step in done]
         else:
-            steps = [validated(name) for name in names]
-    return dict(zip(names, steps))
+            steps = [validated(row) for row in rows]
+    return dict(zip((row[0] for row in rows), steps))
 
 
+def _patch_step(*values) -> PatchStep:
+    """``PatchStep(*values)`` without the frozen dataclass's ``object.__setattr__`` per field (one step is made
+    per tensor and delta)."""
+    step = object.__new__(PatchStep)
+    step.__dict__.update(zip(_STEP_FIELDS, values))
+    return step
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(PatchStep))
 VALIDATE_GROUP_BYTES, VALIDATE_GROUP_TENSORS = 2**20, 256
 
 
-def _groups(names: list[str], steps: Mapping[str, PatchStep]) -> list[list[str]]:
-    """Consecutive names, in groups of under ``VALIDATE_GROUP_BYTES`` of frames (a larger frame alone)."""
-    groups: list[list[str]] = []
-    group: list[str] = []
+def _groups(rows: list[tuple[str, int, int, str]]) -> list[list[tuple[str, int, int, str]]]:
+    """Consecutive rows, in groups of under ``VALIDATE_GROUP_BYTES`` of frames (a larger frame alone)."""
+    groups: list[list[tuple[str, int, int, str]]] = []
+    group: list[tuple[str, int, int, str]] = []
     size = 0
-    for name in names:
-        frame = steps[name].end - steps[name].start
+    for row in rows:
+        frame = row[2] - row[1]
         if group and (size + frame > VALIDATE_GROUP_BYTES or len(group) >= VALIDATE_GROUP_TENSORS):
             groups.append(group)
             group, size = [], 0
-        group.append(name)
+        group.append(row)
         size += frame
     if group:
         groups.append(group)
@@ -254,16 +281,41 @@ def apply_patches(
     failures: list[BaseException] = []
     results: dict[str, str] = {}
 
-    def one(name: str) -> None:
-        plan = source.plan(name)
+    def sized(plan: TensorPlan) -> Progress:
         # folding K deltas keeps K scratch blocks live: shrink the block so they still fit in cache
-        size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
-        state = Progress(plan, size)
+        return Progress(plan, block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps)))
+
+    def one(state: Progress) -> None:
         with lock:
             progresses.append(state)
         digest = apply_tensor(maps, state, target_checksum_format, progress, halt)
         with lock:
-            results[name] = digest
+            results[state.plan.location.name] = digest
+
+    def tiny(states: list[Progress]) -> None:
+        # a batch of tiny tensors: one hand-over of their records, one progress call, one results update
+        with lock:
+            progresses.extend(states)
+        digests = apply_tiny(maps, states, target_checksum_format, halt,
+                             lambda state: apply_tensor(maps, state, target_checksum_format, None, halt))
+        if progress:
+            progress(sum(s.plan.location.nbytes * len(s.plan.steps) for s in states))
+        with lock:
+            results.update(zip((s.plan.location.name for s in states), digests))
+
+    def batch(names: list[str]) -> None:
+        small: list[Progress] = []
+        for name in names:
+            state = sized(source.plan(name))
+            if is_tiny(state.plan, state.block_size):
+                small.append(state)
+                continue
+            if small:
+                tiny(small)
+                small = []
+            one(state)
+        if small:
+            tiny(small)
 
     def fail(exc: BaseException) -> None:
         with lock:  # recorded before the others are told to stop, so it is the first error seen
@@ -271,10 +323,16 @@ def apply_patches(
         halt.stop(f"tensor failed: {exc}")
         source.cancel()  # workers still waiting for a download give up
 
+    take_many = getattr(source, "take_many", None)
+
     def worker() -> None:
         try:
-            while not halt.stopped and (name := source.take()) is not None:
-                one(name)
+            if take_many is None:
+                while not halt.stopped and (name := source.take()) is not None:
+                    batch([name])
+            else:
+                while not halt.stopped and (names := take_many(TINY_BATCH, SMALL)):
+                    batch(names)
             halt.check()
         except BaseException as exc:
             fail(exc)

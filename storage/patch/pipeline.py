@@ -231,13 +231,38 @@ class ArrivingPlans:
                 self._wanted[(self._deltas[i].version, bucket)] -= 1
             return name
 
+    def take_many(self, limit: int, small: int) -> list[str]:
+        """``take`` for a batch: the first ready tensor (waiting for one), then, if it is under ``small`` bytes,
+        the ready ones after it while they are too, up to ``limit``; never waits for a second."""
+        with self._take_lock:
+            if not self._left:
+                return []
+            self._absorb()
+            heap, by_priority, checkpoint = self._ready_heap, self._by_priority, self._checkpoint
+            wanted, needs, deltas = self._wanted, self._needs, self._deltas
+            taken: list[str] = []
+            while heap and len(taken) < limit:
+                name = by_priority[heap[0]]
+                if taken and (checkpoint[name].nbytes >= small or checkpoint[taken[0]].nbytes >= small):
+                    break
+                heapq.heappop(heap)
+                taken.append(name)
+                for i, bucket in needs[name]:
+                    wanted[(deltas[i].version, bucket)] -= 1
+            self._left -= len(taken)
+            return taken
+
     def total_bytes(self) -> int:
         """Bytes the apply pass folds: each tensor's size times the deltas that change it."""
         return sum(self._checkpoint[t].nbytes * len(needs) for t, needs in self._needs.items())
 
     def plan(self, name: str) -> TensorPlan:
-        steps = tuple(self._bucket(key)[name] for key in self._needs[name])
-        return TensorPlan(self._checkpoint[name], steps)
+        done = self._steps  # a validated bucket's steps are read without its lock (set once, never changed)
+        steps = []
+        for key in self._needs[name]:
+            bucket = done.get(key)
+            steps.append((bucket if bucket is not None else self._bucket(key))[name])
+        return TensorPlan(self._checkpoint[name], tuple(steps))
 
     def cancel(self) -> None:
         self._arrivals.cancel()
