@@ -252,6 +252,9 @@ class NodeAgent:
                         break
                     if self._claim(client, run):
                         self._execute(client, run)
+                        # the head is checked a whole interval after the node was last busy: a run may
+                        # have just been created for what a check would find
+                        self._next_head_check = time.monotonic() + self.head_poll_s
                 backoff = min(self.poll_s, 1.0)
             except Exception as exc:  # the API is down or erring: the agent outlives it
                 self.stats.api_errors += 1
@@ -308,53 +311,42 @@ class NodeAgent:
         return self._due(client, ids)
 
     def _coalesce(self, client, due: list) -> list:
-        """A burst of publications runs one refit: of the refit runs due that only move forward
-        (``only_if_newer``), only the one with the newest target runs; the others end Skipped, unrun, naming
-        the run that supersedes them. If the catalog's head is newer than every one of them, they all end so
-        and one refit-latest run takes their place."""
+        """A burst of publications runs one refit: of the refit runs due together that name a version and only
+        move forward (``only_if_newer``), those whose version is newer than the installed one run only the
+        newest; the others end Skipped, unrun, naming the run that supersedes them. A run whose version is
+        not newer runs as it is (it ends Skipped itself, saying so); a ``latest`` run is never skipped here."""
         if self.head_watch is None:
             return due
         forward = [r for r in due if getattr(self._flows.get(r.deployment_id), "name", None) == "refit"
-                   and _only_if_newer(r)]
-        if not forward:
+                   and _only_if_newer(r) and _target(r) not in (None, "latest")]
+        if len(forward) < 2:
             return due
         try:
-            head = self.head_watch.head()
-        except Exception as exc:  # storage down: run them as they are (each one skips what is not newer)
-            log.debug("coalescing: could not read the catalog's head: %s", exc)
+            installed = self.head_watch.installed()
+            floor = self.head_watch.sequence_of(installed) if installed is not None else -1
+            keys = {r.id: self.head_watch.sequence_of(_target(r)) for r in forward}
+        except Exception as exc:  # the store or the catalog cannot say: run them as they are
+            log.debug("coalescing: %s", exc)
             return due
-        head_sequence = head[1] if head is not None else None
-
-        def key(run) -> float:
-            target = _target(run)
-            if target == "latest":
-                return float("inf")
-            sequence = self.head_watch.sequence_of(target)
-            return float("-inf") if sequence is None else sequence
-
-        keys = {r.id: key(r) for r in forward}
-        if any(k == float("-inf") for k in keys.values()):
-            return due  # a target the catalog cannot place: nothing is skipped on a guess
-        newest = max(forward, key=lambda r: (keys[r.id], r.created))
-        replacement = None
-        if head_sequence is not None and keys[newest.id] < head_sequence:
-            replacement = self._create_latest(client, f"{head[0]} is newer than every queued refit",
-                                              self._run_name(f"-> {head[0]} (coalesced)"))
-            newest = None
-        skipped = {r.id for r in forward if newest is None or r.id != newest.id}
-        if not skipped:
+        if floor is None or any(k is None for k in keys.values()):
+            return due  # a version the catalog cannot place: nothing is skipped on a guess
+        newer = [r for r in forward if keys[r.id] > floor]
+        if len(newer) < 2:
             return due
+        newest = max(newer, key=lambda r: (keys[r.id], r.created))
         from prefect.states import Completed
 
-        keeper = f"flow run {newest.name} to {_target(newest)}" if newest is not None else \
-            f"flow run {replacement.name} to latest ({head[0]})"
-        for run in forward:
-            if run.id in skipped:
-                self.stats.api_requests += 1
-                client.set_flow_run_state(run.id, Completed(
-                    name="Skipped", message=f"superseded by a newer version: {keeper} runs instead"), force=True)
-                self.stats.superseded += 1
-                log.info("flow run %s to %s skipped: superseded by %s", run.name, _target(run), keeper)
+        keeper = f"flow run {newest.name} to {_target(newest)}"
+        skipped = set()
+        for run in newer:
+            if run.id == newest.id:
+                continue
+            self.stats.api_requests += 1
+            client.set_flow_run_state(run.id, Completed(
+                name="Skipped", message=f"superseded by a newer version: {keeper} runs instead"), force=True)
+            skipped.add(run.id)
+            self.stats.superseded += 1
+            log.info("flow run %s to %s skipped: superseded by %s", run.name, _target(run), keeper)
         return [r for r in due if r.id not in skipped]
 
     def _listen(self, subscription: Callable[[], Any]) -> None:

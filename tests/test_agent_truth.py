@@ -11,6 +11,9 @@
   for good is not, and one it failed on a transient error is retried.
 * ``python -m deployments.serve`` told to stop (SIGTERM) while its Prefect
   API does not answer exits, well before the test's bounded wait returns.
+* On a Prefect server: a publication whose event is lost reaches the node
+  by the agent's head check, and two publications queued while the agent
+  was down run one refit (the older run ends Skipped, superseded).
 """
 
 from __future__ import annotations
@@ -24,10 +27,15 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
+
+from fleet_support import fleet_server  # noqa: F401  (a fixture)
 from flows import node_report
 from flows.fleet import main as fleet_main
+from s3_support import s3  # noqa: F401  (a fixture)
 from sglang_flows import engine_lab, holds_exactly, http_json, published, sglang  # noqa: F401  (fixtures)
 from sglang_mock import MockSGLang
 from sglang_support import fake_sglang  # noqa: F401  (fixture)
@@ -212,3 +220,47 @@ def test_sigterm_stops_the_agent_while_the_api_is_gone(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- on a Prefect server: a lost publication is caught up, a burst is coalesced ----------------------------------
+
+
+@pytest.mark.server
+def test_a_lost_publication_reaches_the_node_by_its_head_check_and_a_burst_runs_one_refit(fleet_server, s3,
+                                                                                            tmp_path):
+    from fleet_support import MODEL, Fleet
+
+    fleet = Fleet(fleet_server, s3.endpoint, tmp_path, f"{s3.prefix('agent-truth')}/catalog")
+    node = fleet.node("truth", serve_args=("--head-poll-seconds", "2"))
+    try:
+        node.start()
+        fleet.registered(node)
+        assert fleet.publish("initial")["version"] == "r0"
+        (run,) = fleet.final_runs("truth", "r0")
+        assert run.state_name == "Ready", run.state.message
+
+        # a publication whose event never reached the server (--no-event: the event is lost): no
+        # refit-on-publish run is ever created, the interval is an hour, and the agent's head check moves it
+        since = datetime.now(timezone.utc)
+        assert fleet.publish("delta", "--no-event")["version"] == "r1"
+        (caught_up,) = fleet.final_runs("truth", "latest", which=("latest",), since=since)
+        assert caught_up.state_name == "Ready" and caught_up.state.message.startswith("r1 "), caught_up.state
+        assert node.active_version() == "r1"
+        assert [r for r in fleet.runs("truth", ("on_publish",)) if r.created > since] == []
+        # the run names the node, and carries its tag (the UI's filter for one node's runs)
+        assert caught_up.name == f"refit truth: {MODEL} to latest" and "node:truth" in caught_up.tags
+        assert "the catalog's head is r1, the node runs r0" in node.log.read_text()
+
+        # two publications made while the agent is down: both events create a run, the node runs one refit
+        node.stop()
+        since = datetime.now(timezone.utc)
+        assert [fleet.publish("delta")["version"] for _ in range(2)] == ["r2", "r3"]
+        node.start()
+        older, = fleet.final_runs("truth", "r2", since=since)
+        newest, = fleet.final_runs("truth", "r3", since=since)
+        assert newest.state_name == "Ready", newest.state.message
+        assert older.state_name == "Skipped" and "superseded by a newer version" in older.state.message
+        assert older.run_count == 0  # never entered Running: no refit to r2 was done
+        assert node.active_version() == "r3"
+    finally:
+        fleet.stop_all()
