@@ -41,7 +41,20 @@ ceiling is that of the client and the proxy, the path being measured. It
 checks no signatures. Proxy and server each run in a process of their own, so
 neither shares the client's GIL.
 
-One module of about 540 lines: each measurement is a short function over the same
+``--moto-shard`` measures instead the setting of an outside check: one
+object of ``--moto-size-mb`` (default 265 MB) on moto's S3 server behind
+``testbed.throttle.ConnectionThrottle``, a TCP relay capping every TCP
+connection (not every response) at ``--shard-cap-mb-s``, downloaded with the
+default settings by a fresh store, timed from the ``download`` call (client
+built, HEAD, every range) to the file renamed into place, against 8 × the cap.
+moto reads the whole object for every ranged GET, under the object's lock, so
+the answers to the eight range requests arrive one after another (about
+0.1 s apart on a quiet 2-core machine): equal ranges then end in the same
+staggered order, the first connections idle while the last range finishes.
+Runs alternate with ``transfer.SPLIT_MIN`` raised out of reach (no range
+split for idle connections: the behaviour before), so one run prints both.
+
+One module of about 620 lines: each measurement is a short function over the same
 harness (servers, proxy, the client under test), which reads best in one place.
 """
 
@@ -533,6 +546,66 @@ class Bench:
         return {"row": row, "resume": resume}
 
 
+def moto_shard(args: argparse.Namespace, root: Path) -> dict:
+    """The outside check's setting (see the module): moto, a per-TCP-connection cap, a fresh store per run, runs
+    alternating between splitting ranges for idle connections (now) and not (before)."""
+    import storage.objects.transfer as transfer
+    from storage.objects.store import ObjectStore
+    from storage.settings import ObjectStoreSettings
+    from testbed.s3 import MotoServer
+
+    size, cap = int(args.moto_size_mb * MB), args.shard_cap_mb_s
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED")}
+    _set_env({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_EC2_METADATA_DISABLED": "true"})
+    moto = MotoServer(root / "moto.log", bucket=BUCKET).start()
+    relay = None
+    try:
+        local = root / "object.bin"
+        with open(local, "wb") as fh:
+            for start in range(0, size, 64 * MIB):
+                fh.write(os.urandom(min(64 * MIB, size - start)))
+        settings = {"region": "us-east-1", "addressing_style": "path"}
+        url = f"s3://{BUCKET}/object.bin"
+        ObjectStore(ObjectStoreSettings(endpoint_url=moto.url, **settings)).put_immutable_file(url, local)
+        relay = _Process(["-m", "testbed.throttle", moto.url, str(cap)])
+        conns = ObjectStoreSettings().concurrency
+        split_min, rows = transfer.SPLIT_MIN, {"split": [], "no split": []}
+        print(f"{size / MB:g} MB on moto behind a cap of {cap:g} MB/s per TCP connection, {conns} connections "
+              f"(bound {conns * cap:g} MB/s), a fresh store per run, default settings", flush=True)
+        for run in range(args.repeat):
+            for mode in ("no split", "split"):
+                transfer.SPLIT_MIN = split_min if mode == "split" else 1 << 62
+                dest = root / "downloads" / "object.bin"
+                dest.parent.mkdir(exist_ok=True)
+                dest.unlink(missing_ok=True)
+                load = os.getloadavg()[0]
+                started = time.perf_counter()
+                ObjectStore(ObjectStoreSettings(endpoint_url=relay.url, **settings)).download(url, dest)
+                seconds = time.perf_counter() - started
+                transfer.SPLIT_MIN = split_min
+                if not _same_file(local, dest):
+                    raise AssertionError("the download is not byte-exact")
+                ratio = size / seconds / (conns * cap * MB)
+                rows[mode].append({"seconds": round(seconds, 3), "ratio": round(ratio, 3), "load": round(load, 2)})
+                print(f"run {run + 1} {mode:<9} {seconds:6.2f} s  {size / seconds / MB:6.1f} MB/s  ratio {ratio:5.3f}  "
+                      f"(load average {load:.1f})", flush=True)
+        best = {mode: max(r["ratio"] for r in runs) for mode, runs in rows.items()}
+        median = {mode: sorted(r["ratio"] for r in runs)[len(runs) // 2] for mode, runs in rows.items()}
+        met = median["split"] >= GOAL
+        print(f"\nratio of {conns} x {cap:g} MB/s, median (best) of {args.repeat}: before (no split) "
+              f"{median['no split']:.3f} ({best['no split']:.3f}), now {median['split']:.3f} ({best['split']:.3f}); "
+              f"goal >= {GOAL}: {'met' if met else 'NOT met'}")
+        return {"schema": "canonical-refit.benchmark.transfer.moto-shard.v1",
+                "config": {"size": size, "cap_mb_s": cap, "connections": conns, "repeat": args.repeat,
+                           "cpus": os.cpu_count()},
+                "runs": rows, "median_ratio": median, "best_ratio": best, "goal": GOAL, "goal_met": met}
+    finally:
+        if relay is not None:
+            relay.stop()
+        moto.stop()
+        _set_env(saved)
+
+
 def _child_download(args: argparse.Namespace) -> int:
     """Download one object, printing the bytes landed after each chunk (the parent kills it midway)."""
     from storage.objects.store import ObjectStore
@@ -595,6 +668,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--kill-at", type=float, default=0.53, help="share of the shard received when its download is killed")
     add("--repeat", type=int, default=2, help="runs of each transfer; the best counts")
     add("--curve-only", action="store_true", help="measure the download ceiling and the curve only")
+    add("--moto-shard", action="store_true", help="measure only one object on moto behind a per-TCP-connection "
+                                                  "cap (the outside check's setting), with and without splits")
+    add("--moto-size-mb", type=float, default=265, help="the object of --moto-shard, MB")
     add("--quick", action="store_true", help="a smoke run: objects of at most 200 MB, one run each, "
                                              "a two-point curve")
     add("--workdir", type=Path, default=None, help="scratch folder (default: a temporary one, removed)")
@@ -622,6 +698,11 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="transfer-bench-", dir=args.workdir))
     bench = None
     try:
+        if args.moto_shard:
+            result = moto_shard(args, root)
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=2) + "\n")
+            return 0
         print(f"modelled S3: {args.cap_mb_s:g} MB/s per connection, {args.latency_ms:g} ms per request; "
               f"MB = 10^6 bytes; {os.cpu_count()} CPUs", flush=True)
         bench = Bench(args, root)

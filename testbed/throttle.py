@@ -117,3 +117,109 @@ def mirror_catalog(catalog_dir: Path, mirror_dir: Path) -> str:
 
 
 register()
+
+
+# -- a per-TCP-connection bandwidth cap ----------------------------------------------------------
+
+
+class ConnectionThrottle:
+    """A TCP relay on 127.0.0.1 that caps every accepted connection at ``bytes_per_s`` toward the client.
+
+    Unlike ``testbed.s3proxy`` (which paces each HTTP response body from its own start), the cap belongs to
+    the TCP connection, as a network path or a server's per-connection limit applies it: a keep-alive
+    connection carries its requests one after another at the one rate, headers included, with a burst of
+    at most ``burst`` bytes after an idle moment. Bytes toward the server are relayed unpaced. Every
+    accepted connection is counted (``accepted``), so a caller sees how many connections a client opened.
+    """
+
+    def __init__(self, upstream: str, bytes_per_s: float, burst: int = 64 * 2**10):
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(upstream)
+        self.upstream = (parts.hostname, parts.port)
+        self.bytes_per_s, self.burst = float(bytes_per_s), burst
+        self.accepted = 0
+        self._sock = None
+
+    def start(self) -> "ConnectionThrottle":
+        import socket
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(256)
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._pipe, args=(server, client, self.bytes_per_s), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, server, 0.0), daemon=True).start()
+
+    def _pipe(self, src, dst, bps: float) -> None:
+        """Relay ``src`` to ``dst``; with ``bps``, a token bucket of ``burst`` bytes refilled at ``bps``."""
+        import socket
+
+        tokens, at = float(self.burst), time.monotonic()
+        chunk = max(4096, min(self.burst, int(bps / 200) or self.burst)) if bps else 2**16
+        try:
+            while data := src.recv(chunk):
+                if bps:
+                    now = time.monotonic()
+                    tokens = min(float(self.burst), tokens + (now - at) * bps) - len(data)
+                    at = now
+                    if tokens < 0:
+                        time.sleep(-tokens / bps)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+
+
+def _serve_tcp(argv: list[str]) -> int:
+    """``python -m testbed.throttle UPSTREAM MB_PER_S``: a ``ConnectionThrottle`` printing its URL; runs until
+    killed (a line ``accepted N`` on SIGTERM)."""
+    import signal
+    import sys
+
+    throttle = ConnectionThrottle(argv[0], float(argv[1]) * 1e6).start()
+    print(throttle.url, flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    print(f"accepted {throttle.accepted}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_serve_tcp(sys.argv[1:]))

@@ -63,6 +63,7 @@ STREAM_CHUNK = 2**19  # bytes per read of a streamed body: a cancel is seen with
 RANGE_ALIGN = 2**18  # range sizes are multiples of this
 MIN_PLANNED_RANGE = 8 * 2**20  # ranges are not split below this for the sake of whole waves
 CHECKPOINT_INTERVAL_S = 0.025  # the ranges in flight are recorded at most this often
+SPLIT_MIN = 2 * 2**20  # a range still going is split for an idle connection only if both halves get this much
 
 
 def range_plan(size: int, range_size: int, connections: int) -> int:
@@ -101,13 +102,17 @@ class ConnectionBudget:
         return self._pool.submit(fn, *args)
 
     def run(self, calls: dict, *, url: str, failed: threading.Event, cancel: threading.Event | None = None,
-            on_success: Callable[[list], None] | None = None) -> dict:
+            on_success: Callable[[list], None] | None = None,
+            more: Callable[[list], dict] | None = None) -> dict:
         """Run ``calls`` ({key: fn}) on the budget and return {key: result}.
 
         ``on_success(keys)`` runs in the calling thread after each batch of
-        successes, failures or not. The first failure sets ``failed`` (requests
-        not yet started are dropped, as on ``cancel``) and is raised once every
-        started request has ended, so no request outlives this call.
+        successes, failures or not; then, while nothing failed, ``more(keys)``
+        may return further calls, submitted at once (a download splitting the
+        rest of a slow range onto the connection just freed). The first failure
+        sets ``failed`` (requests not yet started are dropped, as on ``cancel``)
+        and is raised once every started request has ended, so no request
+        outlives this call.
         """
         futures = {self.submit(fn): key for key, fn in calls.items()}
         pending, results, error, dropped = set(futures), {}, None, False
@@ -130,6 +135,11 @@ class ConnectionBudget:
                         error, on_success = error or exc, None
                 if error is not None:
                     failed.set()
+                elif ok and more is not None and not failed.is_set():
+                    for key, fn in more(ok).items():
+                        future = self.submit(fn)
+                        futures[future] = key
+                        pending.add(future)
                 if failed.is_set() or (cancel is not None and cancel.is_set()):
                     for f in pending:
                         f.cancel()
@@ -357,6 +367,15 @@ class _Download:
         self._record_lock = threading.Lock()
         self._unrecorded, self._recorded_at = 0, 0.0
         self.checkpoint_bytes = 0
+        # the ranges' geometry, under _split_lock: planned ranges keep their index; a split adds a new one
+        self._split_lock = threading.Lock()
+        self._plan: dict[int, tuple[int, int]] = {}
+        self.pieces: dict[int, tuple[int, int]] = {}  # index -> [start, end) now
+        self._claimed: dict[int, int] = {}  # index -> the offset up to which its request writes (or wrote)
+        self._waiting: set[int] = set()  # submitted, not yet started
+        self._going: set[int] = set()  # started, not yet recorded as done
+        self._flowing: dict[int, tuple[float, int]] = {}  # index -> (monotonic time, offset) of its first byte
+        self._latency = 0.0  # the longest wait of this download's requests for their answer, seconds
 
     def check(self) -> None:
         """Raise if the caller cancelled, or another range of this download failed."""
@@ -397,8 +416,9 @@ class _Download:
         try:
             self._local("discarding an old partial download", self.part, self._truncate, 0)
             self._discard_record()
-            self.store.budget.run({0: lambda: self._fetch(0, 0, None)}, url=self.url, failed=self.failed,
-                                  cancel=self.cancel)
+            self.store.budget.run({0: lambda: self.store.call("download", self.url, lambda: self._stream(None),
+                                                              check=self.check)},
+                                  url=self.url, failed=self.failed, cancel=self.cancel)
             self._finish()
         except BaseException:
             self._remove_partial()
@@ -408,18 +428,21 @@ class _Download:
         size = self.size
         self.range_size = rs = range_plan(size, self.range_size, self.store.budget.slots)
         self.checkpoint_bytes = max(2 * STREAM_CHUNK, size // 64)
-        ranges = {i: (start, min(start + rs, size)) for i, start in enumerate(range(0, size, rs))}
-        self.done, partial = self._adopt(ranges)
+        self._plan = {i: (start, min(start + rs, size)) for i, start in enumerate(range(0, size, rs))}
+        self.pieces, self.done, partial = self._adopt(self._plan)
+        ranges = self.pieces
         self._recorded, self._landed = dict(partial), dict(partial)
+        self._next_index = max(ranges) + 1
+        self._claimed = {i: start + partial.get(i, 0) for i, (start, _) in ranges.items()}
         have = sum(end - start for i, (start, end) in ranges.items() if i in self.done) + sum(partial.values())
         if have:
             log.info("resuming the download of %s: %d of %d bytes are already in %s", self.url, have, size, self.part)
             self._report(have)
-        calls = {i: (lambda i=i, s=s, e=e: self._fetch(i, s, e))
-                 for i, (s, e) in ranges.items() if i not in self.done}
+        calls = {i: self._call(i) for i in sorted(ranges) if i not in self.done}
+        self._waiting = set(calls)
         try:
             self.store.budget.run(calls, url=self.url, failed=self.failed, cancel=self.cancel,
-                                  on_success=self._commit)
+                                  on_success=self._commit, more=self._split)
             self._finish()
         except BaseException:
             if (self.done or self._recorded) and self.identity is not None:
@@ -431,21 +454,81 @@ class _Download:
                 self._remove_partial()
             raise
 
-    def _fetch(self, index: int, start: int, end: int | None) -> int:
-        """One request (on a budget slot), retried through ``ObjectStore.call``."""
-        self.check()
-        what = "download" if end is None else f"ranged read of bytes {start}-{end - 1}"
-        return self.store.call(what, self.url, lambda: self._stream(index, start, end), check=self.check)
+    def _call(self, index: int) -> Callable[[], int]:
+        return lambda: self._fetch(index)
 
-    def _stream(self, index: int, start: int, end: int | None) -> int:
+    def _fetch(self, index: int) -> int:
+        """One request (on a budget slot) for range ``index``, retried through ``ObjectStore.call``."""
+        with self._split_lock:
+            self._waiting.discard(index)
+            self._going.add(index)
+            start, end = self.pieces[index]
         self.check()
-        stop = self.size if end is None else end
-        origin = self._landed.get(index, 0) if end is not None else 0  # the range's bytes already in the file
+        return self.store.call(f"ranged read of bytes {start}-{end - 1}", self.url, lambda: self._stream(index),
+                               check=self.check)
+
+    def _split(self, finished: list[int]) -> dict[int, Callable[[], int]]:
+        """Connections freed by ``finished`` ranges and no range of this download left waiting: split the range
+        still going with the most bytes to come, so that the freed connection fetches its second part (the
+        first request stops where that part begins). Without this, ranges whose answers came late (a server
+        that serializes the start of requests, a slow connection) leave the other connections idle at the
+        end of the download. The split point lets both parts end together, given the range's rate so far and
+        the longest wait for an answer seen in this download; no split leaves a part under ``SPLIT_MIN``
+        bytes or saves less than that wait. The record lists the new geometry, so a resume trusts every
+        recorded byte."""
+        calls = {}
+        with self._split_lock:
+            for _ in finished:
+                if self._waiting:
+                    break
+                now = time.monotonic()
+                going = [(self.pieces[i][1] - self._claimed[i], i) for i in self._going
+                         if i not in self.done and i in self._flowing]
+                if not going:
+                    break
+                left, index = max(going)
+                began, offset = self._flowing[index]
+                rate = (self._claimed[index] - offset) / max(now - began, 1e-3)  # bytes/s of its connection
+                # the new request's bytes start after one request's wait; the range keeps what it fetches
+                # meanwhile plus half the rest, so both end together; no split where the wait eats the gain
+                keep = (left + int(rate * self._latency)) // 2
+                if left - keep < SPLIT_MIN or left < rate * 2 * self._latency:
+                    break
+                start, end = self.pieces[index]
+                middle = self._claimed[index] + keep
+                new = self._next_index
+                self._next_index += 1
+                self.pieces[index], self.pieces[new] = (start, middle), (middle, end)
+                self._claimed[new] = middle
+                self._waiting.add(new)
+                calls[new] = self._call(new)
+        if calls:
+            log.debug("download of %s: ranges split for idle connections: %s", self.url,
+                      {i: self.pieces[i] for i in calls})
+        return calls
+
+    def _stream(self, index: int | None) -> int:
+        """Stream range ``index`` (None: the whole object, one request) into the partial file from its first byte
+        not yet landed. The range may shrink meanwhile (``_split``): its request then stops at its new end."""
+        self.check()
+        if index is None:
+            start, stop, origin = 0, self.size, 0
+        else:
+            with self._split_lock:
+                start, stop = self.pieces[index]
+            origin = self._landed.get(index, 0)  # the range's bytes already in the file
         first = start + origin
         if first >= stop:
             return stop - start
         length, got = stop - first, 0
-        with self.source.open(first, end, self.identity, self.check) as (announced, chunks):
+        asked = time.monotonic()
+        with self.source.open(first, None if index is None else stop, self.identity,
+                              self.check) as (announced, chunks):
+            if index is not None:
+                with self._split_lock:
+                    answered = time.monotonic()
+                    self._latency = max(self._latency, answered - asked)
+                    self._flowing[index] = (answered, first)
             if announced is not None and announced != length:
                 raise TransientStorageError(f"the server answered {announced} bytes for a request of {length} "
                                             f"at offset {first}", file=self.url)
@@ -454,14 +537,25 @@ class _Download:
                 if got + len(chunk) > length:
                     raise TransientStorageError(f"the body is longer than the {length} bytes asked for "
                                                 f"at offset {first}", file=self.url)
-                self._write(chunk, first + got)
-                got += len(chunk)
+                n = len(chunk)
+                if index is not None:
+                    with self._split_lock:
+                        stop = self.pieces[index][1]
+                        n = max(0, min(n, stop - first - got))
+                        self._claimed[index] = first + got + n
+                self._write(chunk[:n], first + got)
+                got += n
                 self.store.stats.add(bytes_read=len(chunk))
+                if index is None:
+                    self._land(0, got)  # a retry starts over: only bytes beyond the last attempt's are reported
+                    continue
                 self._land(index, origin + got)
-                if end is not None:
-                    self._checkpoint(len(chunk))
-        if got != length:
-            raise TransientStorageError(f"short read: {got} of {length} bytes at offset {first}", file=self.url)
+                self._checkpoint(n)
+                if first + got >= stop:
+                    break  # split: the rest is another request's; closing the body drops this connection
+        if first + got != stop:
+            raise TransientStorageError(f"short read: {got} of {stop - first} bytes at offset {first}",
+                                        file=self.url)
         return stop - start
 
     # -- local files (never classified as remote errors) ----------------------------------------
@@ -514,9 +608,10 @@ class _Download:
         except OSError as exc:
             raise local_error(exc, self.part, self.url, "writing the partial download") from exc
 
-    def _adopt(self, ranges: dict[int, tuple[int, int]]) -> tuple[set[int], dict[int, int]]:
-        """The completed ranges and the recorded first bytes of the others, of a matching record; anything else
-        starts from zero."""
+    def _adopt(self, plan: dict[int, tuple[int, int]]
+               ) -> tuple[dict[int, tuple[int, int]], set[int], dict[int, int]]:
+        """The ranges (the plan with the record's splits), the completed ones and the recorded first bytes of the
+        others, of a matching record; anything else starts from zero with the plan."""
         try:
             record = read_json_file(self.record)  # None if missing; bounded strict JSON
         except (OSError, ValueError):
@@ -524,25 +619,28 @@ class _Download:
         want = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size}
         done = record.get("done") if isinstance(record, dict) else None
         partial = record.get("partial", {}) if isinstance(record, dict) else None
-        count = len(ranges)
-        if (self.identity is not None and isinstance(done, list) and isinstance(partial, dict)
+        ranges = _with_splits(plan, record.get("split", {}), self.size) if isinstance(record, dict) else None
+        if (self.identity is not None and ranges is not None and isinstance(done, list)
+                and isinstance(partial, dict)
                 and all(record.get(k) == v for k, v in want.items())
-                and all(type(i) is int and 0 <= i < count for i in done)
-                and all(k.isdigit() and int(k) < count and int(k) not in done and type(n) is int
+                and all(type(i) is int and i in ranges for i in done)
+                and all(k.isdigit() and int(k) in ranges and int(k) not in done and type(n) is int
                         and 0 < n <= ranges[int(k)][1] - ranges[int(k)][0] for k, n in partial.items())
                 and self._local("reading the partial download", self.part, os.fstat, self.fd).st_size >= self.size):
             partial = {int(k): n for k, n in partial.items()}
             whole = {i for i, n in partial.items() if n == ranges[i][1] - ranges[i][0]}  # written, not yet listed
-            return set(done) | whole, {i: n for i, n in partial.items() if i not in whole}
+            return ranges, set(done) | whole, {i: n for i, n in partial.items() if i not in whole}
         if record is not None:
             log.info("not resuming %s: the record %s is for another object, version or range size",
                      self.url, self.record)
         self._discard_record()
         self._local("preparing the partial download", self.part, self._truncate, self.size)
-        return set(), {}
+        return dict(plan), set(), {}
 
     def _commit(self, indices: list[int]) -> None:
         """Ranges whose bytes are written: fsync them, then record them (durably, atomically)."""
+        with self._split_lock:
+            self._going.difference_update(indices)
         with self._record_lock:
             self.done.update(indices)
             self._record()
@@ -561,13 +659,17 @@ class _Download:
 
     def _record(self) -> None:
         """fsync the partial file, then write the record of what it held before the fsync (under the lock)."""
-        written = {i: n for i, n in list(self._landed.items()) if i not in self.done and n > 0}
+        with self._split_lock:  # what landed, and the geometry it landed in (a split never cuts landed bytes)
+            written = {i: n for i, n in list(self._landed.items()) if i not in self.done and n > 0}
+            split = {str(i): list(r) for i, r in sorted(self.pieces.items()) if self._plan.get(i) != r}
         self._unrecorded, self._recorded_at = 0, time.monotonic()
         self._local("syncing the partial download", self.part, os.fsync, self.fd)
         if self.identity is None:
             return  # nothing to check a later resume against: not resumable
         record = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size,
                   "done": sorted(self.done), "partial": {str(i): n for i, n in sorted(written.items())}}
+        if split:
+            record["split"] = split
         self._local("recording the completed ranges", self.record, atomic_write_json, self.record, record)
         self._recorded = written
 
@@ -676,6 +778,25 @@ class _Download:
         finally:
             os.close(fd)
         return size
+
+
+def _with_splits(plan: dict[int, tuple[int, int]], split, size: int) -> dict[int, tuple[int, int]] | None:
+    """The planned ranges with a record's ``split`` ({index: [start, end]}: shortened planned ranges and new
+    ones) applied, or None unless they cover ``[0, size)`` exactly, each once."""
+    if not isinstance(split, dict):
+        return None
+    ranges = dict(plan)
+    for key, bounds in split.items():
+        if not (isinstance(key, str) and key.isdigit() and isinstance(bounds, list) and len(bounds) == 2
+                and all(type(b) is int for b in bounds) and 0 <= bounds[0] < bounds[1] <= size):
+            return None
+        ranges[int(key)] = (bounds[0], bounds[1])
+    offset = 0
+    for start, end in sorted(ranges.values()):
+        if start != offset:
+            return None
+        offset = end
+    return ranges if offset == size else None
 
 
 def _fsync_file(path: Path) -> None:
