@@ -13,6 +13,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
@@ -168,14 +169,41 @@ def parse_bytes(data: bytes, *, file: str, revision: str | None = None) -> Safet
     return parse_header(bytes(data[8 : 8 + n]), n, len(data), file=file, revision=revision)
 
 
-def read_header(path: Path, *, revision: str | None = None, file: str | None = None) -> SafetensorsHeader:
-    """Header of a local safetensors file; the length is checked before it is read."""
+def read_header(path: Path, *, revision: str | None = None, file: str | None = None,
+                remember: bool = False) -> SafetensorsHeader:
+    """Header of a local safetensors file; the length is checked before it is read.
+
+    ``remember``: keep the parsed header for the next ``read_header`` of the same file, which takes it (a
+    refit checks a downloaded bucket's header when it arrives, and validates the bucket from it just after:
+    one parse of a 100k-tensor header, not two). A remembered header is used only while the file's identity
+    (device, inode, size, modification and change times to the nanosecond) is unchanged and the same
+    ``file`` label names it, and at most ``_REMEMBER_MAX`` (of ``_REMEMBER_TENSORS`` tensors together) are kept.
+    """
     label = file or str(path)
     with open(path, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
+        info = os.fstat(fh.fileno())
+        size = info.st_size
+        key = (str(path), label, revision, info.st_dev, info.st_ino, size, info.st_mtime_ns, info.st_ctime_ns)
+        with _REMEMBERED_LOCK:
+            known = _REMEMBERED.pop(key, None)
+        if known is not None:
+            return known
         n = header_length(fh.read(8), size, file=label, revision=revision)
         header_bytes = fh.read(n)
-    return parse_header(header_bytes, n, size, file=label, revision=revision)
+    header = parse_header(header_bytes, n, size, file=label, revision=revision)
+    if remember:
+        with _REMEMBERED_LOCK:
+            _REMEMBERED[key] = header
+            while len(_REMEMBERED) > _REMEMBER_MAX or len(_REMEMBERED) > 1 and \
+                    sum(len(h.tensors) for h in _REMEMBERED.values()) > _REMEMBER_TENSORS:
+                _REMEMBERED.pop(next(iter(_REMEMBERED)))
+    return header
+
+
+_REMEMBERED: dict[tuple, SafetensorsHeader] = {}  # oldest first
+_REMEMBERED_LOCK = threading.Lock()
+_REMEMBER_MAX = 64  # headers
+_REMEMBER_TENSORS = 1 << 20  # and their tensors (the newest header is always kept)
 
 
 def encode_header(

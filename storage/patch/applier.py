@@ -80,13 +80,16 @@ class _Releases:
 
     def add_many(self, ranges: list[tuple[np.ndarray, int, int]]) -> None:
         """``add`` for each ``(view, start, length)``, under one lock (a batch of tiny tensors)."""
-        keyed = [(id(view), start, start + length) for view, start, length in ranges]
+        self.add_keyed({id(view): view for view, _, _ in ranges},
+                       [(id(view), start, start + length) for view, start, length in ranges])
+
+    def add_keyed(self, views: dict[int, np.ndarray], ranges: list[tuple[int, int, int]]) -> None:
+        """``add_many`` of ``(id(view), start, end)`` ranges, ``views`` naming each view by its id."""
         with self._lock:
-            views = self._views
-            for view, _, _ in ranges:
-                views.setdefault(id(view), view)
-            self._ranges += keyed
-            self._bytes += sum(length for _, _, length in ranges)
+            for key, view in views.items():
+                self._views.setdefault(key, view)
+            self._ranges += ranges
+            self._bytes += sum(end - start for _, start, end in ranges)
             if self._bytes < RELEASE_BATCH and len(self._ranges) < RELEASE_RANGES:
                 return
             ranges, self._ranges, self._bytes = self._ranges, [], 0
@@ -139,10 +142,10 @@ class Maps:
             advise(view, step.start, step.end - step.start, MADV_POPULATE_READ)
         return memoryview(view)[step.start: step.end]
 
-    def release_small(self, ranges: list[tuple[np.ndarray, int, int]]) -> None:
-        """Drop small ranges (``(view, start, length)``, each under ``SMALL``) in the next batch."""
+    def release_small(self, views: dict[int, np.ndarray], ranges: list[tuple[int, int, int]]) -> None:
+        """Drop small ranges (``(id(view), start, end)``, each under ``SMALL``; ``views`` by id) in the next batch."""
         if ranges:
-            self._releases.add_many(ranges)
+            self._releases.add_keyed(views, ranges)
 
     def release_frame(self, step: "PatchStep") -> None:
         view = self._bucket(step)
@@ -291,7 +294,8 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
     frame that does not decode cleanly goes through ``fallback`` (``apply_tensor``), which names the problem.
     """
     out: list[str] = []
-    releases: list[tuple[np.ndarray, int, int]] = []
+    releases: list[tuple[int, int, int]] = []  # (id(view), start, end) of the small ranges to drop
+    views: dict[int, np.ndarray] = {}
     shards = maps.shards
     if states:
         halt.check(tensor=states[0].plan.location.name, mutation_started=True)
@@ -309,7 +313,8 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
                     break
                 changes.append(DenseChange(np.frombuffer(whole, dtype=np.uint8),
                                            step.end - step.start > n * DENSE_PAGES_RATIO))
-                releases.append((frame, step.start, step.end - step.start))
+                views[id(frame)] = frame
+                releases.append((id(frame), step.start, step.end))
             if len(changes) != len(steps):
                 out.append(fallback(state))
                 continue
@@ -337,7 +342,8 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
                 state.blocks_unchanged = 1
             else:
                 state.pages_written = (head + n + PAGE - 1) // PAGE if pages is True else int(pages.sum())
-            releases.append((view, start, n))
+            views[id(view)] = view
+            releases.append((id(view), start, start + n))
             killpoint("apply.block")
             for step, got in zip(steps, sums):
                 if got != step.checksum:
@@ -352,7 +358,7 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
                 final.update(block)
                 out.append(final.hexdigest())
     finally:
-        maps.release_small(releases)
+        maps.release_small(views, releases)
     return out
 
 

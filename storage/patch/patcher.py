@@ -62,6 +62,13 @@ class TensorPlan:
     steps: tuple[PatchStep, ...]
 
 
+def tensor_plan(location: TensorLocation, steps: tuple[PatchStep, ...]) -> TensorPlan:
+    """``TensorPlan(location, steps)`` without the frozen dataclass's per-field ``object.__setattr__``."""
+    plan = object.__new__(TensorPlan)
+    plan.__dict__.update(location=location, steps=steps)
+    return plan
+
+
 class PlanSource(Protocol):
     """Where ``apply_patches`` gets its work: tensor names up front, each plan when it is ready."""
 
@@ -281,10 +288,6 @@ def apply_patches(
     failures: list[BaseException] = []
     results: dict[str, str] = {}
 
-    def sized(plan: TensorPlan) -> Progress:
-        # folding K deltas keeps K scratch blocks live: shrink the block so they still fit in cache
-        return Progress(plan, block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps)))
-
     def one(state: Progress) -> None:
         with lock:
             progresses.append(state)
@@ -304,10 +307,14 @@ def apply_patches(
             results.update(zip((s.plan.location.name for s in states), digests))
 
     def batch(names: list[str]) -> None:
+        # folding K deltas keeps K scratch blocks live: the block shrinks so they still fit in cache
         small: list[Progress] = []
+        plan_of = source.plan
         for name in names:
-            state = sized(source.plan(name))
-            if is_tiny(state.plan, state.block_size):
+            plan = plan_of(name)
+            size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
+            state = Progress(plan, size)
+            if is_tiny(plan, size):
                 small.append(state)
                 continue
             if small:

@@ -19,7 +19,7 @@ from storage.cancel import StopToken
 from storage.format.checkpoint import TensorLocation
 from storage.errors import Cancelled, RefitError, StoreError
 from storage.catalog.manifests import Manifest
-from storage.patch.patcher import PatchStep, TensorPlan, bucket_steps
+from storage.patch.patcher import PatchStep, TensorPlan, bucket_steps, tensor_plan
 
 
 class Arrivals:
@@ -174,13 +174,20 @@ class ArrivingPlans:
         self._arrivals = arrivals
         self._needs: dict[str, list[tuple[int, str]]] = {}
         rank: dict[tuple[int, str], int] = {}
+        needs = self._needs
         for i, manifest in enumerate(self._deltas):
+            keys = {}
             for name in manifest.files:
+                keys[name] = (i, name)
                 rank[(i, name)] = len(rank)
             for tensor, bucket in manifest.weight_map.items():
-                self._needs.setdefault(tensor, []).append((i, bucket))
-        self._order = sorted(self._needs, key=lambda t: (max(rank[k] for k in self._needs[t]),
-                                                         -checkpoint[t].nbytes, t))
+                have = needs.get(tensor)
+                if have is None:
+                    needs[tensor] = [keys[bucket]]
+                else:
+                    have.append(keys[bucket])
+        last = {t: max(map(rank.__getitem__, ks)) for t, ks in needs.items()}
+        self._order = sorted(needs, key=lambda t: (last[t], -checkpoint[t].nbytes, t))
         # Bookkeeping of ``take``, O(1) amortized per tensor and file (a heap push/pop per tensor):
         # which tensors wait for each file, how many of its files each tensor still misses, the ready ones
         # in a heap by priority (largest first, then the greatest name: as ``max((nbytes, name))``).
@@ -262,7 +269,7 @@ class ArrivingPlans:
         for key in self._needs[name]:
             bucket = done.get(key)
             steps.append((bucket if bucket is not None else self._bucket(key))[name])
-        return TensorPlan(self._checkpoint[name], tuple(steps))
+        return tensor_plan(self._checkpoint[name], tuple(steps))
 
     def cancel(self) -> None:
         self._arrivals.cancel()
