@@ -131,7 +131,18 @@ class Encoder:
     # --- dense ---------------------------------------------------------------------------------------------------
 
     def _dense(self, base: Source, target: Source, level: int, h) -> Encoded:
-        obj = self.compressor(level).compressobj(size=base.size)
+        n = base.size
+        if 0 < n <= self.block:  # one block (every tensor of an MoE checkpoint but the large ones): one call
+            b = base if isinstance(base, np.ndarray) else base.read(0, n, self._in[0])
+            t = target if isinstance(target, np.ndarray) else target.read(0, n, self._in[1])
+            x = self._xor[:n]
+            np.bitwise_xor(b, t, out=x)
+            checksum = None
+            if h is not None:
+                h.update(t)
+                checksum = h.hexdigest()
+            return Encoded(self.compressor(level).compress(x) if _any(x) else None, checksum)
+        obj = self.compressor(level).compressobj(size=n)
         parts, changed = [], False
         for _, b, t in self._blocks(base, target):
             x = self._xor[: b.size]

@@ -28,7 +28,7 @@ from storage.format.changes import PAGE, DenseChange, page_runs, page_spans, tou
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
 from storage.format.codec import DENSE_PAGES_RATIO, Decoder, make_decoder
 from storage.format.frames import SMALL_FRAME, decode_small
-from storage.format.digests import new_checksum
+from storage.format.digests import checksum_bytes, new_checksum
 from storage.errors import ChecksumMismatch
 from storage.killpoints import killpoint
 from storage.format.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
@@ -334,9 +334,7 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
                 if spans != []:
                     change.apply(block, spans)
                 state.steps_in_block = i + 1
-                h = new_checksum(step.checksum_format)
-                h.update(block)
-                sums.append(h.hexdigest())
+                sums.append(checksum_bytes(step.checksum_format, block))
             state.blocks, state.steps_in_block = 1, 0
             if pages is False:
                 state.blocks_unchanged = 1
@@ -354,9 +352,7 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
             if steps[-1].checksum_format == target_format:
                 out.append(sums[-1])
             else:
-                final = new_checksum(target_format)
-                final.update(block)
-                out.append(final.hexdigest())
+                out.append(checksum_bytes(target_format, block))
     finally:
         maps.release_small(views, releases)
     return out
