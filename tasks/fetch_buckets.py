@@ -253,7 +253,8 @@ def _attempt(job: _Job, fn, *args):
 
 def _check_file(job: _Job, path: Path) -> None:
     """Strict header check right after download; a full shard must hold exactly its mapped tensors."""
-    header = read_header(path, revision=job.manifest.version, file=job.url)
+    # a bucket's parsed header is remembered: the apply stage validates the bucket from it (one parse, not two)
+    header = read_header(path, revision=job.manifest.version, file=job.url, remember=job.kind != FULL)
     if job.kind == FULL:
         expected = set(job.tensors)
         for name in sorted(expected ^ set(header.tensors)):

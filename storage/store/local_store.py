@@ -426,7 +426,9 @@ class LocalStore:
         """UPDATING → READY(v): the verified record and how to rebuild it, then the state, all durable."""
         try:
             self._flushed_path(record.version).unlink(missing_ok=True)  # it vouched for an older record's files
-            atomic_write_json(self._verified_path(record.version), asdict(record))
+            # the checksums as they are (str -> str), not deep-copied by asdict: a tensor's cost, 100k of them
+            atomic_write_json(self._verified_path(record.version),
+                              asdict(replace(record, checksums={})) | {"checksums": record.checksums})
             atomic_write_json(self._chain_path(chain.version),
                               {"version": chain.version, "full_version": chain.full_version,
                                "deltas": list(chain.deltas)})
