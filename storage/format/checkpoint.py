@@ -111,6 +111,7 @@ class CheckpointIndex(TensorTable):
             header = parse_header(header_bytes, len(header_bytes), size, file=str(path), revision=revision)
             headers[name] = header
             offset = header.data_offset
+            new = object.__new__
             for info in header.tensors.values():
                 if info.name in tensors:
                     raise SafetensorsError(
@@ -122,9 +123,10 @@ class CheckpointIndex(TensorTable):
                         f"tensor is in {name} but the index maps it to {weight_map.get(info.name)!r}",
                         file=str(index_path), tensor=info.name, revision=revision,
                     )
-                tensors[info.name] = TensorLocation(
-                    info.name, name, offset + info.start, info.nbytes, info.dtype, info.shape
-                )
+                # ``TensorLocation(...)`` without the frozen dataclass's per-field setattr (one per tensor)
+                location = tensors[info.name] = new(TensorLocation)
+                location.__dict__.update(name=info.name, file=name, offset=offset + info.start,
+                                         nbytes=info.end - info.start, dtype=info.dtype, shape=info.shape)
         if weight_map is not None and len(weight_map) != len(tensors):
             for tensor, name in weight_map.items():
                 if tensor not in tensors:

@@ -112,11 +112,13 @@ _CHECKSUM_PATTERNS = {name: re.compile(f"[0-9a-f]{{{n}}}") for name, n in CHECKS
 
 def format_digest(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:
     """Digest of the tensor layout: sorted ``{"name", "dtype", "shape"}`` of every tensor."""
-    entries = sorted(
-        ({"name": name, "dtype": dtype, "shape": [int(d) for d in shape]} for name, dtype, shape in tensors),
-        key=lambda e: e["name"],
-    )
+    rows = sorted(tensors, key=_first)
+    entries = [{"name": name, "dtype": dtype, "shape": list(map(int, shape))} for name, dtype, shape in rows]
     return sha256_digest(canonical_json(entries))
+
+
+def _first(row: tuple) -> str:
+    return row[0]
 
 
 def snapshot_digest(checksum_format: str, format_digest_value: str, checksums: Mapping[str, str]) -> str:
