@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from storage.bounded_json import INDEX, load_json, read_bounded
-from storage.format.digests import format_digest, new_checksum, snapshot_digest
+from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
 from storage.format.safetensors import SafetensorsHeader, header_length, parse_header
@@ -168,7 +168,18 @@ class CheckpointIndex(TensorTable):
                 return t.name, h.hexdigest()
 
             def batch(group: list[TensorLocation]) -> list[tuple[str, str]]:
-                return [one(t) for t in group]
+                if stop is not None:
+                    stop.check(file=str(self.folder / group[0].file), tensor=group[0].name)
+                out = []
+                for t in group:
+                    if 0 < t.nbytes <= HASH_BLOCK:  # one block: one call (``stop`` was checked for the batch)
+                        out.append((t.name, checksum_bytes(checksum_format, maps.array(t.file)[
+                            t.offset: t.offset + t.nbytes])))
+                        if progress:
+                            progress(t.nbytes)
+                    else:
+                        out.append(one(t))
+                return out
 
             with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
                 return dict(pair for done in pool.map(batch, _batches(wanted)) for pair in done)

@@ -186,21 +186,30 @@ class ArrivingPlans:
                     needs[tensor] = [keys[bucket]]
                 else:
                     have.append(keys[bucket])
-        last = {t: max(map(rank.__getitem__, ks)) for t, ks in needs.items()}
-        self._order = sorted(needs, key=lambda t: (last[t], -checkpoint[t].nbytes, t))
+        self._rank = rank
+        self._order: list[str] | None = None  # ``names()``, sorted when first asked for
         # Bookkeeping of ``take``, O(1) amortized per tensor and file (a heap push/pop per tensor):
         # which tensors wait for each file, how many of its files each tensor still misses, the ready ones
         # in a heap by priority (largest first, then the greatest name: as ``max((nbytes, name))``).
-        priority = sorted(self._needs, key=lambda t: (checkpoint[t].nbytes, t), reverse=True)
-        self._priority = {t: p for p, t in enumerate(priority)}
+        priority = sorted(needs, key=lambda t: (checkpoint[t].nbytes, t), reverse=True)
+        self._priority = dict(zip(priority, range(len(priority))))
         self._by_priority = priority
-        self._waiting: dict[tuple[str, str], list[str]] = {}
-        self._missing: dict[str, int] = {}
-        for t, needs in self._needs.items():
-            keys = {(self._deltas[i].version, b) for i, b in needs}
-            self._missing[t] = len(keys)
-            for key in keys:
-                self._waiting.setdefault(key, []).append(t)
+        file_key = {key: (self._deltas[key[0]].version, key[1]) for key in rank}  # (delta, bucket) -> file
+        waiting: dict[tuple[str, str], list[str]] = {}
+        missing: dict[str, int] = {}
+        for t, ks in needs.items():
+            if len(ks) == 1:  # one delta changes it (a steady refit): no set to build
+                files = (file_key[ks[0]],)
+            else:
+                files = {file_key[k] for k in ks}
+            missing[t] = len(files)
+            for key in files:
+                have = waiting.get(key)
+                if have is None:
+                    waiting[key] = [t]
+                else:
+                    have.append(t)
+        self._waiting, self._missing = waiting, missing
         self._wanted = {key: len(ts) for key, ts in self._waiting.items()}  # untaken tensors needing each file
         self._ready_heap: list[int] = []
         self._cursor = 0  # files of ``arrivals`` already counted
@@ -210,6 +219,10 @@ class ArrivingPlans:
         self._locks: dict[tuple[int, str], threading.Lock] = {k: threading.Lock() for k in rank}
 
     def names(self) -> list[str]:
+        if self._order is None:
+            rank, checkpoint = self._rank, self._checkpoint
+            last = {t: max(map(rank.__getitem__, ks)) for t, ks in self._needs.items()}
+            self._order = sorted(self._needs, key=lambda t: (last[t], -checkpoint[t].nbytes, t))
         return list(self._order)
 
     def _absorb(self) -> None:
@@ -281,7 +294,7 @@ class ArrivingPlans:
         rejected with the store untouched; only buckets still downloading are
         validated after patching has begun.
         """
-        if self._order:
+        if self._needs:
             with self._take_lock:
                 self._absorb()
         for key in self._locks:
