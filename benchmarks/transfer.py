@@ -558,7 +558,7 @@ def moto_shard(args: argparse.Namespace, root: Path) -> dict:
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED")}
     _set_env({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_EC2_METADATA_DISABLED": "true"})
     moto = MotoServer(root / "moto.log", bucket=BUCKET).start()
-    relay = None
+    relay, stream = None, transfer._Download._stream
     try:
         local = root / "object.bin"
         with open(local, "wb") as fh:
@@ -570,6 +570,15 @@ def moto_shard(args: argparse.Namespace, root: Path) -> dict:
         relay = _Process(["-m", "testbed.throttle", moto.url, str(cap)])
         conns = ObjectStoreSettings().concurrency
         split_min, rows = transfer.SPLIT_MIN, {"split": [], "no split": []}
+        ends: dict[int, float] = {}  # thread -> when its last request of the run ended
+
+        def timed(job, index):  # requests per run and the idle connection-seconds at its end
+            try:
+                return stream(job, index)
+            finally:
+                ends[threading.get_ident()] = time.perf_counter()
+                ends[-1] = ends.get(-1, 0) + 1
+        transfer._Download._stream = timed
         print(f"{size / MB:g} MB on moto behind a cap of {cap:g} MB/s per TCP connection, {conns} connections "
               f"(bound {conns * cap:g} MB/s), a fresh store per run, default settings", flush=True)
         for run in range(args.repeat):
@@ -578,28 +587,37 @@ def moto_shard(args: argparse.Namespace, root: Path) -> dict:
                 dest = root / "downloads" / "object.bin"
                 dest.parent.mkdir(exist_ok=True)
                 dest.unlink(missing_ok=True)
+                ends.clear()
                 load = os.getloadavg()[0]
                 started = time.perf_counter()
                 ObjectStore(ObjectStoreSettings(endpoint_url=relay.url, **settings)).download(url, dest)
-                seconds = time.perf_counter() - started
+                finished = time.perf_counter()
+                seconds = finished - started
                 transfer.SPLIT_MIN = split_min
+                requests = ends.pop(-1, 0)
+                idle = sum(finished - t for t in ends.values())
                 if not _same_file(local, dest):
                     raise AssertionError("the download is not byte-exact")
                 ratio = size / seconds / (conns * cap * MB)
-                rows[mode].append({"seconds": round(seconds, 3), "ratio": round(ratio, 3), "load": round(load, 2)})
+                rows[mode].append({"seconds": round(seconds, 3), "ratio": round(ratio, 3), "load": round(load, 2),
+                                   "requests": requests, "idle_connection_s": round(idle, 2)})
                 print(f"run {run + 1} {mode:<9} {seconds:6.2f} s  {size / seconds / MB:6.1f} MB/s  ratio {ratio:5.3f}  "
+                      f"{requests:2d} requests, connections idle at the end {idle:4.2f} s in all  "
                       f"(load average {load:.1f})", flush=True)
         best = {mode: max(r["ratio"] for r in runs) for mode, runs in rows.items()}
         median = {mode: sorted(r["ratio"] for r in runs)[len(runs) // 2] for mode, runs in rows.items()}
+        idle = {mode: sorted(r["idle_connection_s"] for r in runs)[len(runs) // 2] for mode, runs in rows.items()}
         met = median["split"] >= GOAL
-        print(f"\nratio of {conns} x {cap:g} MB/s, median (best) of {args.repeat}: before (no split) "
+        print(f"\nconnection-seconds idle at the end, median: before {idle['no split']:.2f}, now {idle['split']:.2f}")
+        print(f"ratio of {conns} x {cap:g} MB/s, median (best) of {args.repeat}: before (no split) "
               f"{median['no split']:.3f} ({best['no split']:.3f}), now {median['split']:.3f} ({best['split']:.3f}); "
               f"goal >= {GOAL}: {'met' if met else 'NOT met'}")
         return {"schema": "canonical-refit.benchmark.transfer.moto-shard.v1",
                 "config": {"size": size, "cap_mb_s": cap, "connections": conns, "repeat": args.repeat,
                            "cpus": os.cpu_count()},
-                "runs": rows, "median_ratio": median, "best_ratio": best, "goal": GOAL, "goal_met": met}
+                "runs": rows, "median_ratio": median, "median_idle_connection_s": idle, "best_ratio": best, "goal": GOAL, "goal_met": met}
     finally:
+        transfer._Download._stream = stream
         if relay is not None:
             relay.stop()
         moto.stop()

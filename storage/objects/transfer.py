@@ -375,7 +375,7 @@ class _Download:
         self._waiting: set[int] = set()  # submitted, not yet started
         self._going: set[int] = set()  # started, not yet recorded as done
         self._flowing: dict[int, tuple[float, int]] = {}  # index -> (monotonic time, offset) of its first byte
-        self._latency = 0.0  # the longest wait of this download's requests for their answer, seconds
+        self._latency: float | None = None  # the shortest wait of this download's requests for their answer, s
 
     def check(self) -> None:
         """Raise if the caller cancelled, or another range of this download failed."""
@@ -473,7 +473,8 @@ class _Download:
         first request stops where that part begins). Without this, ranges whose answers came late (a server
         that serializes the start of requests, a slow connection) leave the other connections idle at the
         end of the download. The split point lets both parts end together, given the range's rate so far and
-        the longest wait for an answer seen in this download; no split leaves a part under ``SPLIT_MIN``
+        the shortest wait for an answer seen in this download (what one more request costs; the first
+        wave's later answers also waited for the others); no split leaves a part under ``SPLIT_MIN``
         bytes or saves less than that wait. The record lists the new geometry, so a resume trusts every
         recorded byte."""
         calls = {}
@@ -488,11 +489,12 @@ class _Download:
                     break
                 left, index = max(going)
                 began, offset = self._flowing[index]
+                latency = self._latency or 0.0
                 rate = (self._claimed[index] - offset) / max(now - began, 1e-3)  # bytes/s of its connection
                 # the new request's bytes start after one request's wait; the range keeps what it fetches
                 # meanwhile plus half the rest, so both end together; no split where the wait eats the gain
-                keep = (left + int(rate * self._latency)) // 2
-                if left - keep < SPLIT_MIN or left < rate * 2 * self._latency:
+                keep = (left + int(rate * latency)) // 2
+                if left - keep < SPLIT_MIN or left < rate * 2 * latency:
                     break
                 start, end = self.pieces[index]
                 middle = self._claimed[index] + keep
@@ -527,7 +529,8 @@ class _Download:
             if index is not None:
                 with self._split_lock:
                     answered = time.monotonic()
-                    self._latency = max(self._latency, answered - asked)
+                    wait_s = answered - asked  # the first wave's later answers also waited for the others
+                    self._latency = wait_s if self._latency is None else min(self._latency, wait_s)
                     self._flowing[index] = (answered, first)
             if announced is not None and announced != length:
                 raise TransientStorageError(f"the server answered {announced} bytes for a request of {length} "
