@@ -92,10 +92,12 @@ class _Tensors:
         self._lock = threading.Lock()
 
     def tensor(self, location: TensorLocation) -> FileSlice:
-        with self._lock:
-            fd = self._fds.get(location.file)
-            if fd is None:
-                fd = self._fds[location.file] = os.open(self._folder / location.file, os.O_RDONLY)
+        fd = self._fds.get(location.file)  # a shard's descriptor is set once: read without the lock
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(location.file)
+                if fd is None:
+                    fd = self._fds[location.file] = os.open(self._folder / location.file, os.O_RDONLY)
         return FileSlice(fd, location.offset, location.nbytes)
 
     def close(self) -> None:

@@ -171,10 +171,13 @@ class CheckpointIndex(TensorTable):
                 if stop is not None:
                     stop.check(file=str(self.folder / group[0].file), tensor=group[0].name)
                 out = []
+                arrays: dict = {}  # shard name -> its mapping (looked up once a batch)
                 for t in group:
                     if 0 < t.nbytes <= HASH_BLOCK:  # one block: one call (``stop`` was checked for the batch)
-                        out.append((t.name, checksum_bytes(checksum_format, maps.array(t.file)[
-                            t.offset: t.offset + t.nbytes])))
+                        view = arrays.get(t.file)
+                        if view is None:
+                            view = arrays[t.file] = maps.array(t.file)
+                        out.append((t.name, checksum_bytes(checksum_format, view[t.offset: t.offset + t.nbytes])))
                         if progress:
                             progress(t.nbytes)
                     else:
@@ -217,6 +220,8 @@ def require_same_layout(
     file: str | None,
 ) -> None:
     """Raise ``CheckpointMismatch`` naming the first tensor whose set, dtype, shape or size differ."""
+    if expected == actual:  # the usual case, compared in one call; the walk below names a difference
+        return
     for name in sorted(set(expected) | set(actual)):
         if name not in actual:
             raise CheckpointMismatch("tensor is missing", revision=revision, file=file, tensor=name)
