@@ -10,10 +10,14 @@ caller waits for a slot held by another waiting caller.
 parallel, sized to the object (``range_plan``: at most ``range_size``, and as
 many ranges as whole waves of the connection budget, so the last wave never
 runs alone), each streamed in chunks of ``STREAM_CHUNK`` bytes and written in
-place (``pwrite``) into ``.{name}.part`` next to ``dest``. Bytes count only
+place (``pwrite``) into ``.{name}.part`` next to ``dest``. When a connection
+finishes with no range left waiting, the range still going with the most bytes
+to come is split onto it (``_Download._split``), so ranges answered late do
+not leave the other connections idle at the end. Bytes count only
 once they are fsynced and listed in the durable record ``.{name}.part.json``
 (url, size, ETag, range size, ``done``: completed ranges, ``partial``: the
-first bytes of ranges still going, by range): a range is recorded when it
+first bytes of ranges still going, by range, and ``split``: the bounds of
+ranges split or added, if any): a range is recorded when it
 completes, and the ranges in flight every ``checkpoint_bytes`` landed (at
 most every 25 ms). So a download killed at any instant resumes from the last
 recorded byte of every range, never trusts unrecorded bytes, and ``dest``
@@ -26,7 +30,7 @@ The sources (``S3Source``, ``FsspecSource``, ``LocalSource``) are chosen by
 ``storage.objects.store``, the only module that knows about protocols; uploads
 are in ``storage.objects.multipart``.
 
-One module of about 530 lines: the connection budget, the sources and the resumable download
+One module of about 820 lines: the connection budget, the sources and the resumable download
 share one life cycle (a range is fetched on a budget slot, written, recorded), read best together.
 """
 
