@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from storage.errors import FormatError, RefitError
+from storage.gc_pause import gc_paused
 
 MEMORY_RATIO = 4
 ELEMENT_COST = 112  # bytes of Python objects per element, worst shape (measured: tests/test_bounded_json.py)
@@ -100,8 +101,9 @@ def load_json(data: bytes | bytearray | memoryview | str, limits: JsonLimits, *,
             raise fail(f"nests deeper than {limits.max_depth} levels")
         if elements > allowed:
             raise fail(f"has more than {allowed} elements (keys and values) for its {n} bytes")
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                           parse_float=_finite_float)
+        with gc_paused():  # the parse builds no cycles: a collection here would walk every object it made
+            value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
+                               parse_float=_finite_float)
         del text
         if _SURROGATE_ESCAPE.search(data):
             _refuse_lone_surrogates(value)

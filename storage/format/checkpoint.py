@@ -15,6 +15,7 @@ from storage.bounded_json import INDEX, load_json, read_bounded
 from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
+from storage.gc_pause import gc_paused
 from storage.format.safetensors import SafetensorsHeader, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,6 +87,11 @@ class CheckpointIndex(TensorTable):
         them — O(shards), not O(tensors) of JSON. Only successes are kept, keyed
         by the bytes themselves, so a file that changed is parsed again.
         """
+        with gc_paused():  # a location a tensor, no cycles
+            return cls._open(Path(folder), revision)
+
+    @classmethod
+    def _open(cls, folder: Path, revision: str | None) -> "CheckpointIndex":
         folder = Path(folder)
         if not folder.is_dir():
             raise SafetensorsError("checkpoint folder does not exist", file=str(folder), revision=revision)
@@ -104,7 +110,7 @@ class CheckpointIndex(TensorTable):
         known = _PARSED.layouts.get(key)
         if known is not None:
             _PARSED.layouts.move_to_end(key)
-            return cls(folder, *known)
+            return cls(folder, known[0], known[1])._sharing(known[2])
         headers, tensors = {}, {}
         for name, size, header_bytes in raw_headers:
             path = folder / name
@@ -134,8 +140,25 @@ class CheckpointIndex(TensorTable):
                         f"index maps the tensor to {name} but that shard does not hold it",
                         file=str(index_path), tensor=tensor, revision=revision,
                     )
-        _PARSED.remember(key, (tensors, headers))
-        return cls(folder, tensors, headers)
+        memo: dict = {}  # what every index opened from these bytes computes once (its format digest)
+        _PARSED.remember(key, (tensors, headers, memo))
+        return cls(folder, tensors, headers)._sharing(memo)
+
+    def _sharing(self, memo: dict) -> "CheckpointIndex":
+        self._memo = memo
+        self._memo_tensors = len(self.tensors)
+        return self
+
+    def format_digest(self) -> str:
+        """The layout's digest, computed once per layout parsed from the same bytes (while ``tensors`` is
+        the table it was opened with)."""
+        memo = getattr(self, "_memo", None)
+        if memo is None or len(self.tensors) != self._memo_tensors:
+            return super().format_digest()
+        digest = memo.get("format_digest")
+        if digest is None:
+            digest = memo["format_digest"] = super().format_digest()
+        return digest
 
     def checksums(
         self,

@@ -9,6 +9,7 @@ from typing import Iterable, Mapping, Protocol
 
 from storage.canonical import canonical_json
 from storage.errors import FormatError
+from storage.gc_pause import gc_paused
 
 CHECKSUM_FORMATS = ("adler32", "xxh3-128", "blake3")
 CHECKSUM_HEX_LENGTH = {"adler32": 8, "xxh3-128": 32, "blake3": 64}
@@ -112,9 +113,10 @@ _CHECKSUM_PATTERNS = {name: re.compile(f"[0-9a-f]{{{n}}}") for name, n in CHECKS
 
 def format_digest(tensors: Iterable[tuple[str, str, Iterable[int]]]) -> str:
     """Digest of the tensor layout: sorted ``{"name", "dtype", "shape"}`` of every tensor."""
-    rows = sorted(tensors, key=_first)
-    entries = [{"name": name, "dtype": dtype, "shape": list(map(int, shape))} for name, dtype, shape in rows]
-    return sha256_digest(canonical_json(entries))
+    with gc_paused():  # a dict a tensor, no cycles
+        rows = sorted(tensors, key=_first)
+        entries = [{"name": name, "dtype": dtype, "shape": list(map(int, shape))} for name, dtype, shape in rows]
+        return sha256_digest(canonical_json(entries))
 
 
 def _first(row: tuple) -> str:

@@ -29,6 +29,7 @@ from storage.errors import Cancelled, CodecError, ManifestError, RefitError
 from storage.catalog.manifests import Manifest
 from storage.format.mapped import MappedFiles
 from storage.format.safetensors import read_header
+from storage.gc_pause import gc_paused
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
@@ -160,6 +161,12 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                  checkpoint: Mapping[str, TensorLocation], *, workers: int = 1) -> dict[str, PatchStep]:
     """Validate one downloaded bucket completely and return its frame for each tensor; ``workers`` threads
     validate the frames (the first bad one in name order is the error raised)."""
+    with gc_paused():  # a step per tensor (the collector would walk the whole index again and again)
+        return _bucket_steps(manifest, bucket, path, checkpoint, workers=workers)
+
+
+def _bucket_steps(manifest: Manifest, bucket: str, path: Path,
+                  checkpoint: Mapping[str, TensorLocation], *, workers: int) -> dict[str, PatchStep]:
     uri = manifest.file_url(bucket)
     version = manifest.version
     header = read_header(path, revision=version, file=uri)
@@ -334,15 +341,19 @@ def apply_patches(
 
     def worker() -> None:
         try:
-            if take_many is None:
-                while not halt.stopped and (name := source.take()) is not None:
-                    batch([name])
-            else:
-                while not halt.stopped and (names := take_many(TINY_BATCH, SMALL)):
-                    batch(names)
-            halt.check()
+            with gc_paused():  # a plan, a Progress and decoded bytes a tensor: no cycles to collect
+                work()
         except BaseException as exc:
             fail(exc)
+
+    def work() -> None:
+        if take_many is None:
+            while not halt.stopped and (name := source.take()) is not None:
+                batch([name])
+        else:
+            while not halt.stopped and (names := take_many(TINY_BATCH, SMALL)):
+                batch(names)
+        halt.check()
 
     threads = [threading.Thread(target=worker, name=f"apply-{i}") for i in range(max(1, workers))]
     try:

@@ -19,6 +19,7 @@ from storage.cancel import StopToken
 from storage.format.checkpoint import TensorLocation
 from storage.errors import Cancelled, RefitError, StoreError
 from storage.catalog.manifests import Manifest
+from storage.gc_pause import gc_paused
 from storage.patch.patcher import PatchStep, TensorPlan, bucket_steps, tensor_plan
 
 
@@ -169,6 +170,10 @@ class ArrivingPlans:
 
     def __init__(self, deltas: Sequence[Manifest], folders: Mapping[str, Path],
                  checkpoint: Mapping[str, TensorLocation], arrivals: Arrivals, *, workers: int = 1):
+        with gc_paused():  # a few objects a tensor, no cycles
+            self._setup(deltas, folders, checkpoint, arrivals, workers)
+
+    def _setup(self, deltas, folders, checkpoint, arrivals, workers) -> None:
         self._deltas, self._folders, self._checkpoint = list(deltas), folders, checkpoint
         self._workers = workers  # threads validating a bucket's frames
         self._arrivals = arrivals
