@@ -13,6 +13,7 @@ enter (if it was enabled) and enabled again when the last one leaves.
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 from contextlib import contextmanager
@@ -38,3 +39,14 @@ def gc_paused() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _resume:
                 gc.enable()
+
+
+def gc_paused_call(fn):
+    """``fn`` run inside ``gc_paused()`` (a decorator)."""
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return paused

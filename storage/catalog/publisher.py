@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
+from storage.gc_pause import gc_paused_call
 from storage.catalog.records import SCHEMA, Catalog, Revision
 from storage.format.checkpoint import INDEX_FILE, CheckpointIndex, TensorLocation, require_same_layout
 from storage.format import autoselect
@@ -50,6 +51,7 @@ class Snapshot:
     target_digest: str
 
 
+@gc_paused_call  # a checksum a tensor, and the layout digest
 def snapshot_of(checkpoint: Path | CheckpointIndex | MemoryCheckpoint, checksum_format: str, *, workers: int,
                 checksums: Mapping[str, str] | None = None) -> Snapshot:
     """Index and digests of a local checkpoint, a folder or in memory (hashing it unless ``checksums`` are known)."""
@@ -149,6 +151,7 @@ def choose_encoding(base: Snapshot, target: CheckpointIndex | MemoryCheckpoint, 
                           allow_extended=allow_extended)[0].encoding
 
 
+@gc_paused_call  # a frame, a checksum and their bookkeeping a tensor: no cycles
 def stage_delta(
     base: Snapshot,
     target: CheckpointIndex | MemoryCheckpoint,

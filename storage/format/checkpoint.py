@@ -15,7 +15,7 @@ from storage.bounded_json import INDEX, load_json, read_bounded
 from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
-from storage.gc_pause import gc_paused
+from storage.gc_pause import gc_paused, gc_paused_call
 from storage.format.safetensors import SafetensorsHeader, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -160,6 +160,7 @@ class CheckpointIndex(TensorTable):
             digest = memo["format_digest"] = super().format_digest()
         return digest
 
+    @gc_paused_call  # a checksum a tensor: no cycles
     def checksums(
         self,
         checksum_format: str,
