@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import gc
 import json
 import shutil
 import struct
@@ -269,6 +270,7 @@ def assert_rejected(out: Outcome, kind: type, *, tensor: str | None = None, file
     if tensor is not None:
         assert err.tensor == tensor, err
     assert out.peak_bytes < bound, f"peak {out.peak_bytes:,} bytes"
+    assert gc.isenabled(), "the refit left Python's garbage collector paused"
     assert out.content_after == out.content_before, "the installed version's bytes changed"
     store = out.store
     engine = cs.RecordingEngine(store.parent / "engine.json")
