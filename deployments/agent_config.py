@@ -1,0 +1,50 @@
+"""The node agent's defaults and the values it takes and reports (Prefect-free; ``deployments.agent`` re-exports
+them)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+POLL_S = 10.0  # default seconds between polls (serve passes ServeSettings.poll_s)
+FOLLOW_UP_S = (0.2, 0.5, 1.0)  # polls after a wake-up that found nothing due yet (the run may not be visible yet)
+HEARTBEAT_S = 30.0  # default seconds between refreshes of the node's record (serve passes ServeSettings.heartbeat_s)
+CANCEL_POLL_S = 10.0  # seconds between reads of a running run's state: a fallback, the event stream tells at once
+CANCEL_POLL_NO_EVENTS_S = 2.0  # the same without the event stream (--no-event-wakeups)
+MAX_BACKOFF_S = 30.0  # longest wait between polls while the API fails
+HEAD_POLL_S = 30.0  # default seconds between checks of the catalog's head (serve passes ServeSettings.head_poll_s)
+SHUTDOWN_S = 4.0  # after SIGTERM the process exits within this, whether or not the Prefect API answers
+CANCELLING_EVENT = "prefect.flow-run.Cancelling"
+
+
+@dataclass
+class AgentStats:
+    """What the agent did and what it cost the API (for the benchmarks and the docs)."""
+
+    polls: int = 0
+    runs: int = 0
+    claims_lost: int = 0
+    api_requests: int = 0  # polls, claims, run reads and cancellation reads (not the flow runs' own requests)
+    api_errors: int = 0
+    orphans_crashed: int = 0
+    wakeups: int = 0  # scheduled-run events received from the server's event stream
+    heartbeats: int = 0  # node record refreshes (no Prefect API request)
+    heals: int = 0  # refits started because a heartbeat saw the engines drift from the store
+    fan_outs: int = 0  # refit-on-publish runs this agent created for published events (--fan-out agent)
+    refused: int = 0  # runs whose parameters this node's configuration does not allow (deployments/pinning.py)
+    head_checks: int = 0  # reads of the catalog's head (the level check that catches a lost publication)
+    catch_ups: int = 0  # refit-latest runs created because the head was newer than the node (or to retry)
+    superseded: int = 0  # refit runs ended Skipped, unrun, because a newer version was due (a burst coalesced)
+    started_at: float = field(default_factory=time.monotonic)
+    run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
+
+
+@dataclass(frozen=True)
+class PublishFanOut:
+    """The agent turns each published event into a run of its own deployment (no server automation)."""
+
+    deployment: str  # the deployment whose runs it creates (refit-on-publish with the node's suffix)
+    event: str  # the event's name
+    resource_prefix: str  # the model's published events: their resource id starts so
+    parameters: Callable[[str], dict]  # the run's parameters for a published version

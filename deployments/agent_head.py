@@ -1,0 +1,99 @@
+"""The agent's level check: the catalog's head against what the node runs, and coalescing a burst of refits.
+
+``HeadCheck`` is a part of ``deployments.agent.NodeAgent`` (it reads the
+agent's ``head_watch``, ``node``, ``stats`` and ``_latest_id``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from uuid import UUID
+
+log = logging.getLogger("canonical_refit.agent")
+
+
+class HeadCheck:
+    """Refit-latest runs created by the agent itself: at start-up, to heal a drift, and when the head moved."""
+
+    def _run_name(self, detail: str) -> str:
+        return f"refit {self.node} {detail}" if self.node else f"refit {detail}"
+
+    def _create_latest(self, client, why: str, name: str | None = None):
+        """One run of refit-latest (the start_now deployment), named for the node and the versions."""
+        self.stats.api_requests += 1
+        run = client.create_flow_run_from_deployment(
+            self._latest_id, name=name or self._run_name("-> latest"),
+            tags=[f"node:{self.node}"] if self.node else None)
+        log.info("created flow run %s (%s): %s", run.name, run.id, why)
+        return run
+
+    def _check_head(self, client, ids: list[UUID]) -> list:
+        """Every ``head_poll_s`` with no run due: if the catalog's head is newer than what the node runs (a
+        publication whose event was lost) or the last refit failed on a transient error, create one refit-latest
+        run; the runs due afterwards (that one)."""
+        self._next_head_check = time.monotonic() + self.head_poll_s
+        if self.head_watch is None or self._latest_id is None:
+            return []
+        self.stats.head_checks += 1
+        try:
+            due = self.head_watch.due()
+        except Exception as exc:  # storage down: the next check tries again
+            log.warning("could not check the catalog's head (next check in %.0fs): %s", self.head_poll_s, exc)
+            return []
+        if due is None:
+            return []
+        version, why = due
+        installed = getattr(self.head_watch, "installed", lambda: None)()
+        self._create_latest(client, why, self._run_name(f"{installed or 'none'} -> {version}"))
+        self.stats.catch_ups += 1
+        return self._due(client, ids)
+
+    def _coalesce(self, client, due: list) -> list:
+        """A burst of publications runs one refit: of the refit runs due together that name a version and only
+        move forward (``only_if_newer``), those whose version is newer than the installed one run only the
+        newest; the others end Skipped, unrun, naming the run that supersedes them. A run whose version is
+        not newer runs as it is (it ends Skipped itself, saying so); a ``latest`` run is never skipped here."""
+        if self.head_watch is None:
+            return due
+        forward = [r for r in due if getattr(self._flows.get(r.deployment_id), "name", None) == "refit"
+                   and _only_if_newer(r) and _target(r) not in (None, "latest")]
+        if len(forward) < 2:
+            return due
+        try:
+            installed = self.head_watch.installed()
+            floor = self.head_watch.sequence_of(installed) if installed is not None else -1
+            keys = {r.id: self.head_watch.sequence_of(_target(r)) for r in forward}
+        except Exception as exc:  # the store or the catalog cannot say: run them as they are
+            log.debug("coalescing: %s", exc)
+            return due
+        if floor is None or any(k is None for k in keys.values()):
+            return due  # a version the catalog cannot place: nothing is skipped on a guess
+        newer = [r for r in forward if keys[r.id] > floor]
+        if len(newer) < 2:
+            return due
+        newest = max(newer, key=lambda r: (keys[r.id], r.created))
+        from prefect.states import Completed
+
+        keeper = f"flow run {newest.name} to {_target(newest)}"
+        skipped = set()
+        for run in newer:
+            if run.id == newest.id:
+                continue
+            self.stats.api_requests += 1
+            client.set_flow_run_state(run.id, Completed(
+                name="Skipped", message=f"superseded by a newer version: {keeper} runs instead"), force=True)
+            skipped.add(run.id)
+            self.stats.superseded += 1
+            log.info("flow run %s to %s skipped: superseded by %s", run.name, _target(run), keeper)
+        return [r for r in due if r.id not in skipped]
+
+
+def _target(run) -> str | None:
+    params = (run.parameters or {}).get("params")
+    return params.get("target", "latest") if isinstance(params, dict) else None
+
+
+def _only_if_newer(run) -> bool:
+    params = (run.parameters or {}).get("params")
+    return isinstance(params, dict) and params.get("only_if_newer") is True
