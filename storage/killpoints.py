@@ -53,6 +53,7 @@ POINTS = (
 # reached only when a run fails: traced and gated like the others, not part of the happy-path harness
 FAILURE_POINTS = (
     "rollback.start",     # a failed update is about to be rolled back (after the fetch was joined)
+    "undo.tensor",        # a rejected apply is being undone in place: one more tensor reverted, the rest not yet
 )
 PUBLISH_POINTS = (        # the publisher's (tests/crash_publish.py)
     "publish.claimed",    # the sequence claimed, nothing uploaded

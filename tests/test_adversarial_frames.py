@@ -1,11 +1,14 @@
 """Hostile zstd frames and sparse records, thrown at a store that runs r1.
 
 Each case is a copy of a valid delta on r1 with one frame or record broken.
-Everything that can be known from the frame's headers or a sparse record is
+Everything that can be known from a frame's headers and declared size is
 rejected before the store changes (bit-for-bit); what only decoding reveals
-(corrupt compressed bytes, a wrong checksum) is rejected while patching in
-place, and the installed version is restored. Memory stays bounded: no bomb
-is ever decompressed past the tensor's size.
+(corrupt compressed bytes, a sparse record's positions, count or length, a
+wrong checksum) is rejected while patching in place, each record being decoded
+once: the tensors already patched are undone in place and re-verified, and the
+same error is raised with the installed version restored (its verified bytes,
+READY at r1, nothing handed to the engine). Memory stays bounded: no bomb is
+ever decompressed past the tensor's size.
 """
 
 from __future__ import annotations
@@ -121,13 +124,27 @@ SPARSE = {
 }
 
 
+# what the frame's declared size alone gives away (its length is not a count and whole entries)
+SPARSE_STRUCTURAL = {("xor_sparse", "record longer than its count"), ("xor_sparse", "shorter than its header"),
+                     ("overwrite", "record longer than its count"), ("overwrite", "shorter than its header")}
+SPARSE_MESSAGES = {"positions unsorted": "not strictly increasing", "position repeated": "not strictly increasing",
+                   "position at the tensor's end": "outside the", "position far past the end": "outside the",
+                   "count says more than the record holds": "ends after",
+                   "count larger than the tensor": "positions for a", "record longer than its count": "whole entries",
+                   "shorter than its header": "whole entries"}
+
+
 @pytest.mark.parametrize("encoding,case", [(e, c) for e, cases in SPARSE.items() for c in sorted(cases)])
-def test_sparse_records_rejected_before_any_byte_changes(world, encoding, case):
+def test_sparse_records_rejected_and_the_installed_version_kept(world, encoding, case):
+    """A record's size is checked before the store changes; its content as it is decoded, before its own tensor
+    changes: by then other tensors may be patched, and they are undone (the verified bytes back, re-verified)."""
     template = {"xor_sparse": "s2", "overwrite": "o2"}[encoding]
     bucket, tensor, n = _sparse(world, template)
     record = SPARSE[encoding][case](n)
     version = world.new(template, files={bucket: av.replace_frame(tensor, lambda f: av.compress(record))})
-    av.assert_rejected(world.refit(version), CodecError, tensor=tensor, file=bucket)
+    out = world.refit(version)
+    av.assert_rejected(out, CodecError, tensor=tensor, file=bucket, late=(encoding, case) not in SPARSE_STRUCTURAL)
+    assert SPARSE_MESSAGES[case] in str(out.error), out.error
 
 
 def test_valid_sparse_record_with_a_wrong_result_restores_the_installed_version(world):

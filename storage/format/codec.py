@@ -2,11 +2,12 @@
 
 A tensor delta is one zstd frame. Dense ``xor`` decodes to the XOR of base and
 target bytes; ``xor_sparse``, ``overwrite`` (and the opt-in ``xor_gaps``) decode to a record of byte
-positions and values. Receivers validate a frame's structure before decoding
-it (one frame, exact length, declared sizes), decode in bounded blocks, and
-never write past the tensor. Sparse records (``storage.format.sparse``) are validated
-whole, in one streaming pass, before any byte of their tensor changes; that
-pass's ``ValidatedFrame`` lets the decoder that applies the frame skip it.
+positions and values. Receivers check a frame's structure before decoding
+it (``check_frame``: one frame, exact length, declared sizes), decode in bounded blocks, and
+never write past the tensor. A sparse record (``storage.format.sparse``) is validated
+whole before any byte of its tensor changes: as it is decoded for applying, once
+(``validate_frame`` is the separate streaming pass, whose ``ValidatedFrame`` lets a
+decoder skip it).
 """
 
 from __future__ import annotations
@@ -60,6 +61,34 @@ def validate_frame(encoding: str, frame, nbytes: int, **context) -> ValidatedFra
     if encoding == GAPS:
         return validate_gaps(frame, nbytes, context)
     raise CodecError(f"unsupported delta encoding {encoding!r}", **context)
+
+
+def check_frame(encoding: str, frame, nbytes: int, **context) -> ValidatedFrame:
+    """The checks of ``frame`` that need no decompression: what a refit makes before the store changes.
+
+    One zstd frame, exactly (``inspect_frame``: magic, block headers, no trailing bytes, no dictionary), whose
+    declared decoded size fits a tensor of ``nbytes``: a dense frame's is the tensor's size, a sparse record's
+    one its layout allows (``count`` positions within the tensor). The record itself (positions, order, bounds,
+    values, the count it holds) is validated by the decoder as it decodes it, once, before the first byte of
+    its tensor changes (``storage.format.sparse``); the summary returned says so (``complete=False``).
+    """
+    if encoding == "xor":
+        _expect_output(inspect_frame(frame, **context), nbytes, **context)
+        return ValidatedFrame("xor", nbytes, memoryview(frame).nbytes)
+    if encoding not in _HEADER and encoding != GAPS:
+        raise CodecError(f"unsupported delta encoding {encoding!r}", **context)
+    info = inspect_frame(frame, **context)
+    count = None
+    if encoding in _HEADER and info.content_size is not None:
+        _, header, pos_dtype = _HEADER[encoding]
+        entry = np.dtype(pos_dtype).itemsize + 1
+        count, extra = divmod(info.content_size - header, entry)
+        if info.content_size < header or extra:
+            raise CodecError(f"{encoding} record of {info.content_size} bytes is not a count and whole entries",
+                             **context)
+        if count > nbytes:
+            raise CodecError(f"{encoding} record claims {count} positions for a {nbytes}-byte tensor", **context)
+    return ValidatedFrame(encoding, nbytes, memoryview(frame).nbytes, count, complete=False)
 
 
 class Decoder(Protocol):

@@ -274,6 +274,12 @@ class RecordReaders:
             reader.close()
         self._data = memoryview(buf)[:got]  # so does a shorter one
 
+    @property
+    def decoded(self) -> memoryview | None:
+        """The record decoded whole (at most ``size + 1`` bytes: a longer one shows as ``size + 1``), or None when
+        it did not fit the budget (readers then stream)."""
+        return self._data
+
     def open(self) -> "_Reader | _DecodedReader":
         if self._data is None:
             return _Reader(self._frame, self._context)
@@ -286,6 +292,10 @@ class RecordReaders:
 @dataclass(frozen=True)
 class ValidatedFrame:
     """What one full validation pass proved about a frame, so the decoder that applies it can skip the pass.
+
+    ``complete`` False: only the frame's structure was checked (``storage.format.codec.check_frame``: headers,
+    declared sizes; no decompression), so the decoder validates the record as it decodes it, once; a sparse
+    record's ``count`` is then the one its declared content size implies (None when undeclared).
 
     ``count`` is a sparse record's number of entries (None for dense ``xor``);
     ``ordered`` says its positions never decrease, so it can be applied while
@@ -300,3 +310,4 @@ class ValidatedFrame:
     count: int | None = None
     ordered: bool = True
     positions_bytes: int | None = None
+    complete: bool = True

@@ -36,7 +36,7 @@ from storage.errors import CodecError
 from storage.format.frames import (
     _HEADER, RecordReaders, ValidatedFrame, _expect_output, _Reader, inspect_frame, sparse_size,
 )
-from storage.format.gaps import GAPS, GapsStream
+from storage.format.gaps import GAPS, GapsStream, validate_gaps
 
 CHUNK = 1 << 18  # entries per streamed chunk (2 MiB of u64 positions)
 UNSORTED_MIN_CAP = 1 << 16
@@ -123,17 +123,78 @@ def validate_sparse(encoding: str, frame, nbytes: int, context: dict) -> Validat
     return ValidatedFrame(encoding, nbytes, memoryview(frame).nbytes, count, ordered)
 
 
+def check_record(frame, checked: ValidatedFrame, context: dict) -> tuple[ValidatedFrame, RecordReaders | None]:
+    """Validate the record of a frame whose structure alone was checked (``checked.complete`` False).
+
+    A record whose declared size fits ``WHOLE_RECORDS`` is decoded once, whole, and validated in that memory
+    (count, lengths, bounds, order, the unsorted cap): the returned readers serve the same decoded bytes to the
+    decoder that applies it, so it is decompressed once. Any other record gets the streaming pass
+    (``validate_sparse`` / ``validate_gaps``) and no readers. Raises ``CodecError`` as those do.
+    """
+    encoding, nbytes = checked.encoding, checked.nbytes
+    if encoding == GAPS:
+        return validate_gaps(frame, nbytes, context), None
+    if checked.count is None:  # no declared size: nothing to size one decode by
+        return validate_sparse(encoding, frame, nbytes, context), None
+    readers = RecordReaders(frame, sparse_size(checked.count, encoding), context, whole=True)
+    data = readers.decoded
+    if data is None:
+        readers.close()
+        return validate_sparse(encoding, frame, nbytes, context), None
+    try:
+        return _validate_decoded(encoding, data, checked, context), readers
+    except BaseException:
+        readers.close()
+        raise
+
+
+def _validate_decoded(encoding: str, data: memoryview, checked: ValidatedFrame, context: dict) -> ValidatedFrame:
+    """``validate_sparse``'s checks over a record already decoded (``data``: at most one byte past its size)."""
+    fmt, header, dtype, width = _width(encoding)
+    nbytes, strict = checked.nbytes, encoding == "xor_sparse"
+    if data.nbytes < header:
+        raise CodecError(f"{encoding} record header ends after {data.nbytes} decoded bytes", **context)
+    count = struct.unpack_from(fmt, data, 0)[0]
+    if count > nbytes:
+        raise CodecError(f"{encoding} record claims {count} positions for a {nbytes}-byte tensor", **context)
+    if data.nbytes < header + width * count:
+        raise CodecError(f"{encoding} positions ends after {data.nbytes} decoded bytes", **context)
+    if data.nbytes < sparse_size(count, encoding):
+        raise CodecError(f"{encoding} values ends after {data.nbytes} decoded bytes", **context)
+    if data.nbytes > sparse_size(count, encoding):
+        raise CodecError(f"{encoding} record is longer than its count implies", **context)
+    positions = np.frombuffer(data[header: header + width * count], dtype=dtype)
+    ordered, previous = True, -1
+    for start in range(0, count, CHUNK):  # chunk by chunk: the comparisons' scratch stays bounded
+        pos = positions[start: start + CHUNK]
+        if ordered and not _in_order(pos, previous, strict):
+            if strict:
+                raise CodecError("xor_sparse positions are not strictly increasing", **context)
+            if count > unsorted_cap(nbytes):
+                raise _over_cap(count, nbytes, context)
+            ordered = False
+        top = int(pos[-1]) if ordered else int(pos.max())
+        if top >= nbytes:
+            raise _outside(encoding, top, nbytes, context)
+        previous = int(pos[-1])
+    return ValidatedFrame(encoding, nbytes, checked.frame_size, count, ordered)
+
+
 # --- entry sources: strictly increasing int64 positions (one per position) and their values, chunk by chunk ----
 
 
 class _SortedStream:
     """A sorted record read as it is applied; order, bounds and lengths are re-checked per chunk."""
 
-    def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool):
+    def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool,
+                 readers: RecordReaders | None = None):
         self.encoding, self.nbytes, self.context = validated.encoding, validated.nbytes, context
         _, header, self._dtype, self._width = _width(self.encoding)
         self._strict = self.encoding == "xor_sparse"
-        self._readers = RecordReaders(frame, sparse_size(validated.count or 0, self.encoding), context, whole=values)
+        # readers of the record ``check_record`` decoded and validated: its entries need no second check
+        self._checked = readers is not None
+        self._readers = readers if readers is not None else RecordReaders(
+            frame, sparse_size(validated.count or 0, self.encoding), context, whole=values)
         self._positions = self._readers.open()
         self._values: _Reader | None = None
         try:
@@ -158,10 +219,10 @@ class _SortedStream:
             val = (np.frombuffer(self._values.read_exact(n, f"{self.encoding} values"), dtype=np.uint8)
                    if self._values is not None else None)
             self._left -= n
-            if not _in_order(raw, self._previous, self._strict):
+            if not self._checked and not _in_order(raw, self._previous, self._strict):
                 order = "strictly increasing" if self._strict else "sorted, as validated"
                 raise CodecError(f"{self.encoding} positions are not {order}", **self.context)
-            if int(raw[-1]) >= self.nbytes:
+            if not self._checked and int(raw[-1]) >= self.nbytes:
                 raise _outside(self.encoding, int(raw[-1]), self.nbytes, self.context)
             self._previous = int(raw[-1])
             pos = raw.astype(np.int64)
@@ -194,13 +255,16 @@ class _SortedStream:
 class _UnsortedRecord:
     """An unsorted ``overwrite`` record (count within the cap), decoded whole and sorted by (position, entry)."""
 
-    def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool):
+    def __init__(self, frame, validated: ValidatedFrame, context: dict, *, values: bool,
+                 readers: RecordReaders | None = None):
         count, nbytes = validated.count or 0, validated.nbytes
         if count > unsorted_cap(nbytes):
+            if readers is not None:
+                readers.close()
             raise _over_cap(count, nbytes, context)
         keys = np.empty(count, dtype=np.uint64)  # position << 32 | entry index: sorting keeps record order
         self._values: np.ndarray | None = np.empty(count, dtype=np.uint8) if values else None
-        reader = _Reader(frame, context)
+        reader = readers.open() if readers is not None else _Reader(frame, context)
         try:
             if _read_count(frame, "overwrite", context, reader) != count:
                 raise CodecError(f"overwrite record does not hold the {count} entries it was validated with",
@@ -218,6 +282,8 @@ class _UnsortedRecord:
                 raise CodecError(f"overwrite values end after {reader.position} decoded bytes", **context)
         finally:
             reader.close()
+            if readers is not None:
+                readers.close()
         keys.sort()
         self._keys, self._next = keys, 0
 
@@ -278,15 +344,23 @@ class _SparseDecoder:
     """Shared plumbing: sources are opened on first use, so a decoder built only to be closed costs nothing."""
 
     def __init__(self, frame, nbytes: int, *, validated: ValidatedFrame, **context):
-        self.frame, self.nbytes, self.validated, self.context = frame, nbytes, validated, context
+        self.frame, self.nbytes, self.context = frame, nbytes, context
+        self._record: RecordReaders | None = None  # the record decoded (and validated) whole, for the first source
+        if not validated.complete:  # only the frame's structure was checked: validate the record now, decoding it
+            validated, self._record = check_record(frame, validated, context)
+        self.validated = validated
         self._cursor: _Cursor | None = None
         self._applied_to = 0
 
     def _source(self, *, values: bool):
+        record, self._record = self._record, None  # its decoded bytes serve one source, then go
         if self.validated.encoding == GAPS:
             return GapsStream(self.frame, self.validated, self.context, values=values)
         kind = _SortedStream if self.validated.ordered else _UnsortedRecord
-        return kind(self.frame, self.validated, self.context, values=values)
+        if record is not None and not values:  # positions only (an overwrite's undo): streamed, nothing held
+            record.close()
+            record = None
+        return kind(self.frame, self.validated, self.context, values=values, readers=record)
 
     def _block_entries(self, offset: int, size: int) -> tuple[np.ndarray, np.ndarray] | None:
         """Positions (relative to ``offset``) and values of the entries in ``[offset, offset + size)``."""
@@ -318,6 +392,9 @@ class _SparseDecoder:
             self.close()
 
     def close(self) -> None:
+        if self._record is not None:
+            self._record.close()
+            self._record = None
         if self._cursor is not None:
             self._cursor.source.close()
             self._cursor = None

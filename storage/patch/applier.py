@@ -194,13 +194,14 @@ class Progress:
 
     A plain class with slots (one is made per tensor: 100k of them in a refit of an MoE checkpoint)."""
 
-    __slots__ = ("plan", "block_size", "bounds", "decoders", "blocks", "steps_in_block", "pages_written",
-                 "blocks_unchanged")
+    __slots__ = ("plan", "block_size", "bounds", "decoders", "validated", "blocks", "steps_in_block",
+                 "pages_written", "blocks_unchanged")
 
     def __init__(self, plan: "TensorPlan", block_size: int) -> None:
         self.plan, self.block_size = plan, block_size
         self.bounds: list[tuple[int, int]] = []
         self.decoders: list[Decoder | None] = []
+        self.validated: list = []  # each step's record as its decoder validated it (undo decodes without checking)
         self.blocks = self.steps_in_block = self.pages_written = self.blocks_unchanged = 0
 
     @property
@@ -216,11 +217,17 @@ def apply_tensor(maps: Maps, state: Progress, target_format: str, progress: Call
     name = location.name
     state.bounds = block_bounds(location, block_size)
     size_max = max((s for _, s in state.bounds), default=1)
-    state.decoders = [
-        make_decoder(s.encoding, maps.frame(s), location.nbytes, block_size=size_max, validated=s.validated,
-                     **s.context(name))
-        for s in plan.steps
-    ]
+    decoders: list[Decoder] = []
+    try:  # each record validated as it is decoded (a sparse one whole, here): a bad one before the tensor changes
+        for s in plan.steps:
+            decoders.append(make_decoder(s.encoding, maps.frame(s), location.nbytes, block_size=size_max,
+                                         validated=s.validated, **s.context(name)))
+    except BaseException:
+        for decoder in decoders:  # their decoded records go now, not when the error's traceback does
+            decoder.close()
+        raise
+    state.decoders = decoders
+    state.validated = [getattr(d, "validated", s.validated) for s, d in zip(plan.steps, decoders)]
     hashes = [new_checksum(s.checksum_format) for s in plan.steps]
     final_in_own_format = plan.steps[-1].checksum_format == target_format
     final = hashes[-1] if final_in_own_format else new_checksum(target_format)
@@ -362,17 +369,20 @@ def undo(maps: Maps, touched: list[Progress], base: Mapping[str, str], fmt: str,
          log) -> bool:
     """Revert every patched byte, newest step first within each block; True if the base hashes are back.
 
-    XOR steps are undone by applying the same frame again (fresh decoders);
-    ``overwrite`` steps restore the bytes their decoder saved before writing.
+    XOR steps are undone by applying the same frame again (fresh decoders, told what the apply pass validated);
+    ``overwrite`` steps restore the bytes their decoder saved before writing. Only the blocks a step reached
+    are reverted: a tensor stopped mid-way (mid-block included) is undone exactly. The kill point
+    ``undo.tensor`` follows each reverted tensor (a kill there leaves the rest to the next run's recovery).
     """
     try:
         for state in touched:
             plan, name = state.plan, state.plan.location.name
             size_max = max((s for _, s in state.bounds), default=1)
+            checked = state.validated or [s.validated for s in plan.steps]
             fresh = [d if s.encoding == "overwrite" else
                      make_decoder(s.encoding, maps.frame(s), plan.location.nbytes, block_size=size_max,
-                                  validated=s.validated, **s.context(name))
-                     for s, d in zip(plan.steps, state.decoders)]
+                                  validated=v, **s.context(name))
+                     for s, d, v in zip(plan.steps, state.decoders, checked)]
             last = state.blocks + (1 if state.steps_in_block else 0)
             for b, (offset, size) in enumerate(state.bounds[:last]):
                 block = maps.block(plan.location, offset, size)
@@ -382,6 +392,10 @@ def undo(maps: Maps, touched: list[Progress], base: Mapping[str, str], fmt: str,
                         fresh[i].undo(block, offset)
                     else:
                         fresh[i].apply(block, offset)
+            for i, decoder in enumerate(fresh):
+                if plan.steps[i].encoding != "overwrite":
+                    decoder.close()
+            killpoint("undo.tensor")
         names = [s.plan.location.name for s in touched]
         now = checkpoint.checksums(fmt, names=names, workers=2) if names else {}
         ok = all(now[n] == base.get(n) for n in names)

@@ -1,14 +1,17 @@
 """Patch a mutable mmap-backed checkpoint with a replay chain of delta buckets.
 
-``bucket_steps`` validates one bucket (header, metadata, checksums, frame
-structure, sparse records) before any of its bytes are used; ``plan_patches``
-does it for every bucket of a chain and groups the frames into one
-``TensorPlan`` per changed tensor. ``apply_patches`` streams each tensor once
-(``storage.patch.applier``): for every bounded block it folds the block through the
+``bucket_steps`` checks one bucket (header, metadata, checksums, each frame's
+structure and declared size: nothing is decompressed) before any of its bytes
+are used; ``plan_patches`` does it for every bucket of a chain and groups the
+frames into one ``TensorPlan`` per changed tensor. ``apply_patches`` streams each
+tensor once (``storage.patch.applier``): each record is decoded once, and
+validated as it is (a sparse record whole, before its tensor changes; a dense
+frame block by block); for every bounded block it folds the block through the
 tensor's K decoders in revision order, updating each revision's checksum on
-the running value, and writes only the pages some revision changes. Plans may arrive while buckets are still downloading
-(``PlanSource``). If anything fails, the bytes already patched can be undone in
-place: XOR deltas are their own inverse, and overwritten bytes were saved.
+the running value, and writes only the pages some revision changes. Plans may
+arrive while buckets are still downloading (``PlanSource``). If anything fails,
+the bytes already patched are undone in place (``undo_to``): XOR deltas are
+their own inverse, and overwritten bytes were saved.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 from storage.patch.applier import SMALL, Maps, Progress, apply_tensor, apply_tiny, is_tiny, undo
 from storage.cancel import StopToken
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
-from storage.format.codec import ValidatedFrame, validate_frame
+from storage.format.codec import ValidatedFrame, check_frame
 from storage.format.digests import is_checksum
 from storage.errors import Cancelled, CodecError, ManifestError, RefitError
 from storage.catalog.manifests import Manifest
@@ -49,7 +52,7 @@ class PatchStep:
     end: int
     checksum: str
     checksum_format: str
-    validated: ValidatedFrame | None = None  # what bucket_steps proved about the frame: apply skips the pass
+    validated: ValidatedFrame | None = None  # what bucket_steps checked of the frame (its structure)
 
     def context(self, tensor: str) -> dict:
         return {"revision": self.revision, "file": self.bucket_uri, "tensor": tensor}
@@ -84,13 +87,13 @@ class PlanSource(Protocol):
         taken. Optional: ``take`` is used without it."""
 
     def plan(self, name: str) -> TensorPlan:
-        """The plan of a taken tensor, its buckets validated."""
+        """The plan of a taken tensor, its buckets checked (``bucket_steps``)."""
 
     def cancel(self) -> None:
         """Stop waiting: another tensor failed."""
 
     def prepare(self) -> None:
-        """Validate what can be validated before the store changes (may block for the first download)."""
+        """Check what can be checked before the store changes (may block for the first download)."""
 
     def total_bytes(self) -> int:
         """Tensor bytes times steps: what progress counts to."""
@@ -129,7 +132,7 @@ class StaticPlans:
         pass
 
     def prepare(self) -> None:
-        pass  # every bucket was validated when the plans were made
+        pass  # every bucket was checked when the plans were made
 
     def total_bytes(self) -> int:
         return sum(p.location.nbytes * len(p.steps) for p in self._plans.values())
@@ -139,12 +142,13 @@ def plan_patches(
     deltas: Sequence[Manifest], folders: Mapping[str, Path], checkpoint: Mapping[str, TensorLocation], *,
     workers: int = 1,
 ) -> list[TensorPlan]:
-    """Validate the buckets of ``deltas`` (oldest first) and group their frames per tensor, largest first.
+    """Check the buckets of ``deltas`` (oldest first) and group their frames per tensor, largest first.
 
     ``folders`` maps each delta version to its artifact folder; ``checkpoint``
-    is the layout the deltas apply to; ``workers`` threads validate each
-    bucket's frames. Raises a ``FormatError`` naming revision, bucket and
-    tensor on the first problem (in bucket and tensor name order); nothing changes.
+    is the layout the deltas apply to; ``workers`` threads check each
+    bucket's frames (``bucket_steps``). Raises a ``FormatError`` naming revision, bucket and
+    tensor on the first problem (in bucket and tensor name order); nothing changes. A record's
+    content is validated as it is applied (``apply_patches``).
     """
     steps: dict[str, list[PatchStep]] = {}
     for manifest in deltas:
@@ -159,8 +163,10 @@ def plan_patches(
 
 def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                  checkpoint: Mapping[str, TensorLocation], *, workers: int = 1) -> dict[str, PatchStep]:
-    """Validate one downloaded bucket completely and return its frame for each tensor; ``workers`` threads
-    validate the frames (the first bad one in name order is the error raised)."""
+    """Check one downloaded bucket and return its frame for each tensor: header, metadata, target checksums,
+    and each frame's structure and declared size (``check_frame``: no decompression; the records are validated
+    as they are decoded to be applied). ``workers`` threads check the frames (the first bad one in name order is
+    the error raised)."""
     with gc_paused():  # a step per tensor (the collector would walk the whole index again and again)
         return _bucket_steps(manifest, bucket, path, checkpoint, workers=workers)
 
@@ -203,10 +209,10 @@ def _bucket_steps(manifest: Manifest, bucket: str, path: Path,
         data = maps.array(path.name)
 
         def validated(row: tuple[str, int, int, str]) -> PatchStep:
-            # one streaming pass validates the frame (a sparse record whole); nothing is applied
+            # the frame's headers and declared size, nothing decompressed: the apply pass decodes it once
             name, start, end, checksum = row
-            frame = validate_frame(encoding, memoryview(data[start:end]), checkpoint[name].nbytes,
-                                   revision=version, file=uri, tensor=name)
+            frame = check_frame(encoding, memoryview(data[start:end]), checkpoint[name].nbytes,
+                                revision=version, file=uri, tensor=name)
             return _patch_step(version, encoding, path, uri, start, end, checksum, fmt, frame)
 
         if workers > 1 and len(rows) > 1:
@@ -267,15 +273,18 @@ def apply_patches(
 ) -> dict[str, str]:
     """Apply every plan in place to ``checkpoint``; returns each patched tensor's final checksum.
 
-    Every step's checksum is checked on the running value; a mismatch raises
-    ``ChecksumMismatch`` naming the revision, bucket and tensor. ``stop`` (the
+    Each record is decoded once and validated as it is (a bad one raises
+    ``CodecError``); every step's checksum is checked on the running value (a
+    mismatch raises ``ChecksumMismatch``); both name the revision, bucket and
+    tensor, and may come after other tensors were patched. ``stop`` (the
     run's token) is checked between blocks. However the pass ends — an error
     in any worker, the run stopped, or an exception in the calling thread —
     every worker is stopped and joined before anything else happens, and the
     first real error is the one raised (not a worker's "stopped because
     another tensor failed"). Then, if ``undo_to`` (the base's verified
     checksums, format ``undo_format``) is given, the bytes already patched are
-    reverted and re-hashed against it: the raised error has ``undone = True``
+    reverted in place (a tensor stopped mid-way too) and every touched tensor is
+    re-hashed against it; then the same error is raised, with ``undone = True``
     when the checkpoint holds the base again, ``False`` when it could not be
     proven (the caller rebuilds).
 
