@@ -96,3 +96,12 @@ def _s3_error_code(exc: BaseException) -> str | None:
             if status:
                 return str(status)
     return None
+
+
+def local_call(doing: str, path, uri: str, fn, *args):
+    """``fn(*args)``, an operation on a local file: its ``OSError`` becomes a ``StoreError`` naming ``path``
+    (``local_error``), never a remote error to retry."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        raise local_error(exc, path, uri, doing) from exc

@@ -16,13 +16,10 @@ import os
 import threading
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from storage.errors import ObjectNotFound, StoreError
-from storage.objects.transfer import _local, _Stopped
-
-if TYPE_CHECKING:
-    from storage.objects.store import ObjectStore
+from storage.objects.budget import Requester, Stopped
+from storage.objects.classify import local_call
 
 log = logging.getLogger("canonical_refit.transfer")
 
@@ -54,7 +51,7 @@ class S3Multipart:
         self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id)
 
 
-def upload_parts(store: "ObjectStore", wire: S3Multipart, url: str, local: Path, part_size: int) -> bool:
+def upload_parts(store: Requester, wire: S3Multipart, url: str, local: Path, part_size: int) -> bool:
     """Upload ``local`` to ``url`` in ``part_size`` parts, in parallel on the store's budget.
 
     Returns True if the object was created, False if the create-only
@@ -63,17 +60,17 @@ def upload_parts(store: "ObjectStore", wire: S3Multipart, url: str, local: Path,
     """
     local = Path(local)
     failed = threading.Event()
-    size = _local("reading the file to upload", local, url, os.path.getsize, local)
-    fd = _local("opening the file to upload", local, url, os.open, local, os.O_RDONLY)
+    size = local_call("reading the file to upload", local, url, os.path.getsize, local)
+    fd = local_call("opening the file to upload", local, url, os.open, local, os.O_RDONLY)
     try:
         upload_id = store.call("create multipart upload", url, wire.create)
 
         def part(number: int) -> str:
             if failed.is_set():
-                raise _Stopped("stopped: another part of this upload failed", file=url)
+                raise Stopped("stopped: another part of this upload failed", file=url)
             offset = (number - 1) * part_size
             length = min(part_size, size - offset)
-            data = _local("reading the file to upload", local, url, os.pread, fd, length, offset)
+            data = local_call("reading the file to upload", local, url, os.pread, fd, length, offset)
             if len(data) != length:
                 raise StoreError(f"the file to upload shrank while it was read (part {number})",
                                  file=url, local_file=str(local))
@@ -108,7 +105,7 @@ def upload_parts(store: "ObjectStore", wire: S3Multipart, url: str, local: Path,
         os.close(fd)
 
 
-def _abort(store: "ObjectStore", wire: S3Multipart, url: str, upload_id: str) -> None:
+def _abort(store: Requester, wire: S3Multipart, url: str, upload_id: str) -> None:
     try:
         store.call("abort of the multipart upload", url, lambda: wire.abort(upload_id))
     except ObjectNotFound:  # NoSuchUpload: already completed or aborted

@@ -7,11 +7,13 @@ resumable downloads into local files, create-only writes (concurrent multipart
 uploads on S3) and listings. Every request is classified into transient errors
 (retried with bounded exponential backoff and counted in ``TransferStats``)
 and permanent ones (raised at once, URI in the message). Data requests share
-one connection budget per store (``storage.objects.transfer``). Nothing outside this
-module branches on the protocol.
+one connection budget per store (``storage.objects.budget``). Nothing outside this
+module branches on the protocol, except the choice of a source's kind of copy
+(``storage.objects.sources``) it makes here.
 
-It is one module of about 530 lines on purpose: it is the one place that knows about
-protocols (the ranged transfers and multipart uploads it drives live in their own modules).
+The ranged downloads (``transfer``), multipart uploads (``multipart``), the
+conditional-write probe (``conditional``) and the stats (``stats``) it drives
+live in modules of their own; ``TransferStats`` stays importable from here.
 """
 
 from __future__ import annotations
@@ -20,61 +22,31 @@ import logging
 import os
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+import storage.objects.transfer as transfer
 from storage.durable import atomic_write_bytes, copy_bytes, create_only_write
 from storage.errors import (
-    RefitError,
-    ConditionalWritesUnsupported, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
+    RefitError, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
+from storage.objects import conditional
+from storage.objects.budget import ConnectionBudget
 from storage.objects.classify import classify, local_error
-from storage.settings import ObjectStoreSettings
-import storage.objects.transfer as transfer
 from storage.objects.multipart import S3Multipart, upload_parts
-from storage.objects.transfer import ConnectionBudget, FsspecSource, LocalSource, S3Source
-from storage.urls import join_url, normalize_url
+from storage.objects.s3client import s3_filesystem
+from storage.objects.sources import FsspecSource, LocalSource, S3Source, protocols_of
+from storage.objects.stats import TransferStats
+from storage.settings import ObjectStoreSettings
+from storage.urls import normalize_url
+
+__all__ = ["ObjectStore", "TransferStats"]
 
 log = logging.getLogger("canonical_refit.objects")
 T = TypeVar("T")
-
-_conditional_probes: dict[str, bool] = {}  # "endpoint|bucket" -> whether If-None-Match is enforced
-_verified_lock = threading.Lock()
-
-
-@dataclass
-class TransferStats:
-    """Counts requests, retries and backoff of one stage (thread-safe)."""
-
-    attempts: int = 0
-    retries: int = 0
-    backoff_s: float = 0.0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, *, attempts=0, retries=0, backoff_s=0.0, bytes_read=0, bytes_written=0) -> None:
-        with self._lock:
-            self.attempts += attempts
-            self.retries += retries
-            self.backoff_s += backoff_s
-            self.bytes_read += bytes_read
-            self.bytes_written += bytes_written
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {
-                "attempts": self.attempts,
-                "retries": self.retries,
-                "backoff_s": round(self.backoff_s, 3),
-                "bytes_read": self.bytes_read,
-                "bytes_written": self.bytes_written,
-            }
 
 
 _SHARED: dict[str, "ObjectStore"] = {}
@@ -138,40 +110,7 @@ class ObjectStore:
 
     def _build_filesystem(self, protocol: str, url: str) -> fsspec.AbstractFileSystem:
         if protocol in ("s3", "s3a"):
-            import s3fs
-
-            s = self.settings
-            config = {
-                "connect_timeout": s.connect_timeout_s,
-                "read_timeout": s.read_timeout_s,
-                "max_pool_connections": max(s.max_pool_connections, s.concurrency),
-                # botocore's ``max_attempts`` counts retries, not attempts: ``total_max_attempts``
-                # 1 turns its retries off, so our loop owns them and counts every one
-                "retries": {"total_max_attempts": 1, "mode": "standard"},
-            }
-            # integrity on the way up: botocore sends a CRC32 of every PutObject and UploadPart body (a header,
-            # or a trailer over https), which S3 verifies before it stores anything (BadDigest otherwise: a
-            # transient error, the upload is sent again); asked for explicitly so that an environment setting
-            # (AWS_REQUEST_CHECKSUM_CALCULATION=when_required) cannot turn it off. A SHA-256 of each payload
-            # (botocore's default over plain http only) would cost a CPU-second per GB
-            config["request_checksum_calculation"] = "when_supported"
-            config["s3"] = {"payload_signing_enabled": False}
-            if s.addressing_style != "auto":
-                config["s3"]["addressing_style"] = s.addressing_style
-            fs = s3fs.S3FileSystem(
-                anon=s.anonymous,
-                endpoint_url=s.endpoint_url,
-                client_kwargs={"region_name": s.region} if s.region else {},
-                config_kwargs=config,
-                default_block_size=s.block_size,
-                max_concurrency=1,
-                use_listings_cache=False,
-                skip_instance_cache=True,
-            )
-            fs.retries = 1
-            fs.connect_timeout = s.connect_timeout_s
-            fs.read_timeout = s.read_timeout_s
-            return fs
+            return s3_filesystem(self.settings)
         try:
             return fsspec.url_to_fs(url)[0]
         except (ImportError, ValueError) as exc:
@@ -183,9 +122,9 @@ class ObjectStore:
 
     def _source(self, fs: fsspec.AbstractFileSystem, path: str):
         """How to read an object: ranged S3 GETs, ranged reads of another remote filesystem, or a plain copy."""
-        if self.is_local(fs) or "memory" in _protocols(fs):
+        if self.is_local(fs) or "memory" in protocols_of(fs):
             return LocalSource(fs, path)
-        if "s3" in _protocols(fs):
+        if "s3" in protocols_of(fs):
             return S3Source(fs, path)
         return FsspecSource(fs, path)
 
@@ -417,14 +356,14 @@ class ObjectStore:
         except OSError as exc:
             raise local_error(exc, local, url, "reading the file to upload") from exc
         part = self.settings.block_size
-        multipart = size >= 2 * part and "s3" in _protocols(fs)
+        multipart = size >= 2 * part and "s3" in protocols_of(fs)
 
         def put() -> bool:
             try:
                 if self.is_local(fs):
                     if not create_only_write(Path(path), lambda fh: _copy_into(local, fh, size)):
                         raise FileExistsError(path)
-                elif "s3" in _protocols(fs):
+                elif "s3" in protocols_of(fs):
                     fs.put_file(str(local), path, mode="create", chunksize=part)  # under 2 parts: one PUT
                 else:
                     fs.put_file(str(local), path, mode="create")
@@ -455,59 +394,9 @@ class ObjectStore:
         return True
 
     def ensure_conditional_writes(self, prefix_url: str, *, allow_unconditional: bool = False) -> None:
-        """Check once per server and bucket that create-only writes are enforced.
-
-        Some S3-compatible servers ignore ``If-None-Match: *`` and overwrite
-        silently; publishing there could replace an immutable revision. The
-        probe writes a fresh object under ``prefix_url`` twice, create-only,
-        and checks that the second write was refused; then it deletes it.
-        """
-        fs, path = self.locate(prefix_url)
-        if self.is_local(fs) or "memory" in _protocols(fs):
-            return  # our own create-only path (link, exclusive) is used for these
-        key = f"{_server_of(fs)}|{path.split('/', 1)[0]}"
-        with _verified_lock:
-            enforced = _conditional_probes.get(key)
-        if enforced is None:
-            enforced = self._probe_conditional_writes(prefix_url)
-            with _verified_lock:
-                _conditional_probes[key] = enforced
-        if enforced:
-            return
-        message = (
-            f"the object store at {key.split('|')[0]} does not enforce conditional writes "
-            "(If-None-Match: *): a second create-only PUT overwrote a probe object, so published "
-            "revisions would not be immutable"
-        )
-        if not allow_unconditional:
-            raise ConditionalWritesUnsupported(
-                message + "; use a server that enforces them or pass --allow-unconditional-writes",
-                file=prefix_url,
-            )
-        log.warning("%s; continuing because unconditional writes were explicitly allowed", message)
-
-    def _probe_conditional_writes(self, prefix_url: str) -> bool:
-        """True if a second create-only PUT of the same new key is refused."""
-        probe = join_url(normalize_url(prefix_url), ".canonical-refit-probe", uuid.uuid4().hex)
-        fs, path = self.locate(probe)
-        self.put_immutable(probe, b"first")
-
-        def second() -> bool:
-            try:
-                fs.pipe_file(path, b"second", mode="create")
-                return False
-            except FileExistsError:
-                return True
-
-        # a retry after a lost response meets our own first write: still a refusal
-        enforced = self.call("conditional-write probe", probe, second)
-        try:
-            fs.rm_file(path)
-        except Exception as exc:  # a leftover probe object is harmless
-            log.info("could not delete conditional-write probe %s: %s", probe, exc)
-        log.info("conditional writes %s by the server of %s",
-                 "are enforced" if enforced else "are NOT enforced", prefix_url)
-        return enforced
+        """Check once per server and bucket that create-only writes are enforced (``storage.objects.conditional``:
+        a server that ignores ``If-None-Match: *`` could let a publication replace an immutable revision)."""
+        conditional.ensure_conditional_writes(self, prefix_url, allow_unconditional=allow_unconditional)
 
 
 def _sleep(seconds: float, check: Callable[[], None] | None) -> None:
@@ -520,17 +409,6 @@ def _sleep(seconds: float, check: Callable[[], None] | None) -> None:
         check()
         time.sleep(min(left, 0.05))
     check()
-
-
-def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
-    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-
-
-def _server_of(fs: fsspec.AbstractFileSystem) -> str:
-    """Which server a filesystem talks to: the S3 endpoint the client resolved (settings or env)."""
-    if "s3" in _protocols(fs):
-        return str(fs.connect().meta.endpoint_url)  # builds the client, sends no request
-    return _protocols(fs)[0]
 
 
 def _copy_into(src: Path, dst_fh, size: int) -> None:
