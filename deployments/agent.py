@@ -220,6 +220,8 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
                         break
                     if self._claim(client, run):
                         self._execute(client, run)
+                        if hasattr(self.heartbeat, "settled"):  # flows.fleet_table.TableHeartbeat: after each run
+                            self.heartbeat.settled()  # the fleet table artifact is rewritten (in its own thread)
                         # the head is checked a whole interval after the node was last busy: a run may
                         # have just been created for what a check would find
                         self._next_head_check = time.monotonic() + self.head_poll_s

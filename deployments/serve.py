@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
              "flow runs in this process, one at a time", params.node, ", ".join(d.name for d in deployments),
              params.model, params.catalog, url, settings.interval_s, EVENT)
     from flows import node_report
+    from flows.fleet_table import FleetTable
     from flows.outcome import last_refit_outcome
     from tasks.installers import make_installer
 
@@ -341,7 +342,9 @@ def main(argv: list[str] | None = None) -> int:
                              poll_s=settings.poll_s,
                              start_now=f"refit-latest{settings.suffix_for(params.node)}",
                              wake_on_events=settings.wake_on_events, heartbeat_s=settings.heartbeat_s,
-                             heartbeat=lambda busy: node_report.refresh_node(params, installer, busy=busy),
+                             heartbeat=FleetTable(params.catalog, params.model, node=params.node,  # fleet table
+                                                  storage=params.storage).beat(
+                                 lambda busy: node_report.refresh_node(params, installer, busy=busy)),
                              zombie_after_s=settings.zombie_window_s(),
                              outcomes={"refit": last_refit_outcome}, fan_out=fan_out,
                              head_watch=node_report.HeadWatch(params), head_poll_s=settings.head_poll_s,

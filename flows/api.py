@@ -156,7 +156,12 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
         engine = installer
     params = RefitParams(**values)
     if engine is None and in_flow_run():
-        result = result_of(refit_flow(params, return_state=True))  # a subflow of the caller's flow run
+        from prefect import tags
+
+        from flows.run_labels import node_tag
+
+        with tags(node_tag(params.node)):  # labelled with its node, as the agent's runs are
+            result = result_of(refit_flow(params, return_state=True))  # a subflow of the caller's flow run
     else:
         from storage.cancel import signals_stop_the_run
 

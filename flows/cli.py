@@ -141,8 +141,13 @@ def run_cli_refit(params) -> RefitResult:
     finished = threading.Event()
 
     def body() -> None:
+        from prefect import tags
+
+        from flows.run_labels import node_tag
+
         try:
-            outcome["result"] = result_of(refit(params, return_state=True))
+            with tags(node_tag(params.node)):  # a one-off run is labelled with its node, as the agent's are
+                outcome["result"] = result_of(refit(params, return_state=True))
         except BaseException as exc:  # reported below from what the run itself recorded
             outcome["error"] = exc
         finally:

@@ -52,6 +52,7 @@ from tasks.verify_digest import VERIFY_DIGEST  # noqa: E402
 from flows import heartbeats  # noqa: E402
 from flows.node_report import report_node  # noqa: E402
 from flows.outcome import final_state, next_step, next_step_after_interrupt, outcome_of, retryable_run  # noqa: E402
+from flows.run_labels import log_outcome, refit_run_name  # noqa: E402
 
 heartbeats.install()
 
@@ -206,12 +207,13 @@ def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None
     return result
 
 
-@flow(name="refit", flow_run_name="refit {params.node}: {params.model} to {params.target}", validate_parameters=True,
+@flow(name="refit", flow_run_name=refit_run_name, validate_parameters=True,  # "refit NODE: MODEL FROM -> TO"
       persist_result=False, result_storage=unpersisted_results())
 def refit(params: RefitParams) -> State:
     """Resolve, seed, fetch, apply, verify, install and activate one target revision."""
     with signals_stop_the_run():  # Ctrl-C, SIGTERM and Prefect's cancellation stop the run cooperatively
         result = run_refit(params, reporter=PrefectReporter(params.model))
+    log_outcome(params.node, params.model, params.target, result)  # a failure at ERROR in the run's logs
     return final_state(result)
 
 

@@ -248,7 +248,7 @@ def test_a_lost_publication_reaches_the_node_by_its_head_check_and_a_burst_runs_
         assert node.active_version() == "r1"
         assert [r for r in fleet.runs("truth", ("on_publish",)) if r.created > since] == []
         # the run names the node, and carries its tag (the UI's filter for one node's runs)
-        assert caught_up.name == f"refit truth: {MODEL} to latest" and "node:truth" in caught_up.tags
+        assert caught_up.name == f"refit truth: {MODEL} r0 -> r1" and "node:truth" in caught_up.tags
         assert "the catalog's head is r1, the node runs r0" in node.log.read_text()
 
         # two publications made while the agent is down: both events create a run, the node runs one refit

@@ -53,7 +53,8 @@ def test_a_ready_refit_is_a_flow_run_with_a_task_run_per_stage_and_its_artifacts
     assert state.name == "Ready" and state.is_completed() and result.version == "r1"
     assert result.target_digest == independent_digest(lab.expected("r1"))[1]
     run, tasks, artifacts = _server_view(state.state_details.flow_run_id, stages=len(STAGES))
-    assert run.state_name == "Ready" and run.name.startswith("refit ") and run.name.endswith(f": {lab.model} to latest")
+    assert run.state_name == "Ready" and run.name.startswith("refit ")
+    assert run.name.endswith(f": {lab.model} none -> latest")  # the node, and from what the store had to the target
     assert set(STAGES) <= set(tasks) and all(tasks[s].state_name == "Completed" for s in STAGES)
     table = next(a for key, a in artifacts.items() if key.startswith("refit-stages-"))
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data  # the API stores it as JSON text
