@@ -230,3 +230,31 @@ def test_an_undo_that_cannot_restore_the_base_says_so(lab, tmp_path):
                       undo_format="adler32")
     assert info.value.undone is False
     assert chain.bytes_of(work) == chain.expected(0)  # the bytes were reverted all the same
+
+
+@pytest.mark.parametrize("encoding", ["xor_sparse", "overwrite"])
+def test_a_sparse_record_is_decompressed_once_when_applied(lab, tmp_path, monkeypatch, encoding):
+    """The bucket check decompresses nothing; the apply pass decodes each record once, validates it in that memory
+    and applies it from there (no second streaming pass)."""
+    import storage.format.frames as frames
+    import storage.format.sparse as sparse
+
+    chain = Chain(lab, tmp_path, 1, encodings={1: encoding})
+    opened: list[int] = []
+    original = frames._Reader.__init__
+
+    def counting(self, frame, context, **kw):
+        opened.append(len(frame))
+        original(self, frame, context, **kw)
+
+    def second_pass(*args, **kwargs):
+        raise AssertionError("a record was validated by a second pass")
+
+    monkeypatch.setattr(frames._Reader, "__init__", counting)
+    monkeypatch.setattr(sparse, "validate_sparse", second_pass)
+    plans = plan_patches(chain.manifests, chain.folders, chain.index.tensors)
+    assert opened == []  # structure only
+    work = chain.work()
+    apply_patches(work, plans, target_checksum_format="adler32", workers=2)
+    assert chain.bytes_of(work) == chain.expected(1)
+    assert len(opened) == len(plans)  # one decompression a record

@@ -22,7 +22,8 @@ from storage.errors import CodecError
 from storage.format.frames import (_HEADER, SMALL_FRAME, ValidatedFrame, _expect_output, _Reader, decode_small,
                                    inspect_frame)
 from storage.format.gaps import GAPS, gaps_record, validate_gaps
-from storage.format.sparse import SparseOverwrite, SparseXor, validate_sparse
+from storage.format.sparse import validate_sparse
+from storage.format.sparse_decoders import SparseOverwrite, SparseXor
 
 DENSE_PAGES_RATIO = 1 / 16  # a dense frame over this share of its tensor changes practically every page
 _MAX_POSITIONS = {"xor_sparse": 2**64 - 1, "overwrite": 2**32 - 1}
