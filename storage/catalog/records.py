@@ -5,159 +5,26 @@ from __future__ import annotations
 import codecs
 import logging
 import os
-import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from storage.bounded_json import RECORD, load_json
 from storage.canonical import canonical_json
-from storage.format.digests import DIGEST_PATTERN
 from storage.durable import atomic_write_json, read_json_file
-from storage.errors import (
-    Cancelled, CatalogError, ImmutableConflict, Interrupted, InvalidURI, LineageError, ObjectNotFound,
-    PermanentStorageError, RefitError, StorageError,
-)
+from storage.errors import CatalogError, LineageError, ObjectNotFound, RefitError
 from storage.objects.store import ObjectStore
 from storage.urls import join_url, normalize_url, storage_kind
-from storage.settings import VERSION_PATTERN
+from storage.catalog.claims import SequenceClaims
+from storage.catalog.revision import (  # noqa: F401  (CLAIMS ... SCHEMA re-exported: their home before the split)
+    CLAIMS, HEAD_HINT, HEAD_SCHEMA, MAX_CHAIN, MAX_HINT_BYTES, MAX_RECORD_BYTES, MAX_SEQUENCE, SCHEMA, Revision,
+    _VERSION_RE, _unusable, parse_revision, quarantinable,
+)
 
 log = logging.getLogger("canonical_refit.catalog")
 
-SCHEMA = "canonical-refit.revision.v1"
-MAX_RECORD_BYTES = 1 * 2**20
-MAX_CHAIN = 100_000
-CLAIMS = "sequences"  # {catalog}/sequences/{n:012d}.json: create-only sequence claims (docs/format.md, 4.7)
-HEAD_HINT = "hints/head.json"  # {catalog}/hints/head.json: where the newest record probably is (4.9)
-HEAD_SCHEMA = "canonical-refit.catalog-head.v1"
-MAX_HINT_BYTES = 4096
-MAX_SEQUENCE = 10**12 - 1  # claims are named with 12 digits
-_VERSION_RE = re.compile(VERSION_PATTERN)
 
-
-class Revision(BaseModel):
-    """One catalog record. Construction enforces every rule of docs/format.md, section 4."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True, populate_by_name=True)
-
-    schema_: Literal["canonical-refit.revision.v1"] = Field(alias="schema")
-    model: str = Field(min_length=1)
-    version: str = Field(pattern=VERSION_PATTERN)
-    sequence: int = Field(ge=0)
-    payload_format: Literal["metadata_only", "full_hf_checkpoint", "xor_delta"]
-    base_version: str | None = Field(pattern=VERSION_PATTERN)
-    base_digest: str | None
-    target_digest: str
-    format_digest: str
-    checksum_format: Literal["adler32", "xxh3-128", "blake3"]
-    uri: str | None
-    created_at_unix_ms: int = Field(ge=0)
-
-    @field_validator("target_digest", "format_digest", "base_digest")
-    @classmethod
-    def _digest_form(cls, value: str | None) -> str | None:
-        if value is not None and not DIGEST_PATTERN.match(value):
-            raise ValueError("must be 'sha256:' followed by 64 lowercase hex digits")
-        return value
-
-    @field_validator("uri")
-    @classmethod
-    def _uri_form(cls, value: str | None) -> str | None:
-        if value is not None:
-            if "://" not in value:
-                raise ValueError("must be an absolute URL (s3://..., file://...), not a relative path")
-            try:
-                normalize_url(value)
-            except InvalidURI as exc:
-                raise ValueError(exc.reason) from None
-        return value
-
-    @model_validator(mode="after")
-    def _payload_rules(self) -> "Revision":
-        delta = self.payload_format == "xor_delta"
-        if delta:
-            for name in ("base_version", "base_digest", "uri"):
-                if getattr(self, name) is None:
-                    raise _FieldRule(name, f"is required for payload_format {self.payload_format!r}")
-            if self.base_version == self.version:
-                raise _FieldRule("base_version", "equals the revision's own version")
-            if self.sequence == 0:
-                raise _FieldRule("sequence", "a delta cannot be sequence 0")
-        else:
-            for name in ("base_version", "base_digest"):
-                if getattr(self, name) is not None:
-                    raise _FieldRule(name, f"must be null for payload_format {self.payload_format!r}")
-        if self.payload_format == "metadata_only" and self.uri is not None:
-            raise _FieldRule("uri", "must be null for a metadata_only revision")
-        if (self.payload_format == "metadata_only") != (self.sequence == 0):
-            raise _FieldRule("sequence", "is 0 exactly for the metadata_only launch revision")
-        if self.payload_format == "full_hf_checkpoint" and self.uri is None:
-            raise _FieldRule("uri", "is required for a full_hf_checkpoint revision")
-        return self
-
-    def to_json(self) -> dict:
-        return self.model_dump(by_alias=True)
-
-    def describe(self) -> str:
-        base = f" on {self.base_version}" if self.base_version else ""
-        return f"{self.version} (seq {self.sequence}, {self.payload_format}{base})"
-
-
-class _FieldRule(ValueError):
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field} {message}")
-
-
-def parse_revision(raw: bytes | str | dict, *, version: str | None, model: str | None, file: str) -> Revision:
-    """Validate one record; errors name the revision, the file and the field."""
-    if not isinstance(raw, dict):
-        raw = load_json(raw, RECORD, error=CatalogError, expect=dict, revision=version, file=file)
-    if not isinstance(raw, dict):
-        raise CatalogError(f"record is a JSON {type(raw).__name__}, not an object", revision=version, file=file)
-    try:
-        record = Revision.model_validate(raw)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"]
-        ctx_error = (first.get("ctx") or {}).get("error")
-        if isinstance(ctx_error, _FieldRule):
-            field, message = ctx_error.field, str(ctx_error)
-        raise CatalogError(f"invalid record: {message}", revision=version or raw.get("version"),
-                           file=file, field=field) from None
-    if version is not None and record.version != version:
-        raise CatalogError(f"record says version {record.version!r} but is stored as {version}.json",
-                           revision=version, file=file, field="version")
-    if model is not None and record.model != model:
-        raise CatalogError(f"record belongs to model {record.model!r}, not {model!r}",
-                           revision=record.version, file=file, field="model")
-    return record
-
-
-def quarantinable(exc: BaseException) -> bool:
-    """True for an error about a catalog object itself (unreadable, unparsable, invalid, refused): the object is
-    skipped and quarantined. A transient storage error, a stop request or a non-``Exception`` (Ctrl-C)
-    propagates: they say nothing about the object."""
-    if isinstance(exc, (Cancelled, Interrupted)):
-        return False
-    if isinstance(exc, RefitError):
-        return not exc.transient
-    return isinstance(exc, Exception)
-
-
-def _unusable(exc: BaseException, revision: str | None, url: str) -> CatalogError:
-    """Any error met reading or parsing an object (RecursionError, MemoryError, UnicodeError, OSError...) as a
-    ``CatalogError`` naming the object."""
-    detail = str(exc)[:200] or type(exc).__name__
-    return CatalogError(f"catalog object cannot be read or parsed ({type(exc).__name__}: {detail})",
-                        revision=revision, file=url)
-
-
-class Catalog:
+class Catalog(SequenceClaims):
     """Read and write the revision records of one model under one catalog URL.
 
     ``latest`` and the launch revision are found without listing the catalog
@@ -188,12 +55,7 @@ class Catalog:
             raise CatalogError("invalid version id", revision=version, field="version")
         return join_url(self.url, f"{version}.json")
 
-    def claim_url(self, sequence: int) -> str:
-        return join_url(self.url, f"{CLAIMS}/{sequence:012d}.json")
 
-    @property
-    def head_hint_url(self) -> str:
-        return join_url(self.url, HEAD_HINT)
 
     def read(self, version: str) -> Revision:
         """One record (memoised: records are immutable). Whatever is wrong with the object, the error is a
@@ -361,110 +223,10 @@ class Catalog:
 
     # -- finding the newest claim -----------------------------------------------------------------
 
-    def _top(self) -> int | None:
-        """The highest claimed sequence, or None if there is no claim at all.
 
-        Claims are dense from the first one up (each publisher claims the
-        first free sequence above the newest claim), so existence is
-        monotone: start from a claim known to exist (this instance's last
-        answer, the head hint once its claim is seen, or the node's memo),
-        gallop upward to a missing one and bisect. With a right hint that is
-        one probe; a wrong one costs O(log N) probes and is corrected.
-        """
-        lo: int | None = self.top_claim
-        hi: int | None = None
-        if lo is None:
-            hint, memo = self._read_hint(), self._memo_top()
-            if hint is not None and (memo is None or hint > memo):
-                if self._claim(hint)[0]:  # read, not probed: the walk down starts with it
-                    lo = hint
-                else:
-                    hi = hint
-            if lo is None and memo is not None and (hi is None or memo < hi):
-                lo = memo
-            if lo is None:
-                if hi == 0 or not self._claim(0)[0]:
-                    return None
-                lo = 0
-        if hi is None:
-            step = 1
-            while True:
-                probe = min(lo + step, MAX_SEQUENCE + 1)
-                if probe > MAX_SEQUENCE or not self._claim_exists(probe):
-                    hi = probe
-                    break
-                lo, step = probe, step * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._claim_exists(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
 
-    def _claim_exists(self, sequence: int) -> bool:
-        if sequence in self._claims or self._claim_memo(sequence) is not None:
-            return True
-        return self.store.exists(self.claim_url(sequence))
 
-    def _claim(self, sequence: int) -> tuple[bool, str | None]:
-        """(whether claim ``sequence`` exists, the version it names or None if unusable)."""
-        if sequence not in self._claims:
-            memo = self._claim_memo(sequence)
-            if memo is None:
-                url = self.claim_url(sequence)
-                try:
-                    raw = self._fetch(url, MAX_RECORD_BYTES)
-                except ObjectNotFound:
-                    return False, None
-                except RefitError as exc:
-                    if not quarantinable(exc):
-                        raise
-                    log.warning("ignoring sequence claim %s: %s", url, exc)
-                    return True, None
-                memo = _claim_fields(raw, self.model, sequence)
-                if memo is None:
-                    log.warning("ignoring sequence claim %s: not a claim of %s for sequence %d", url, self.model,
-                                sequence)
-                    return True, None
-                self._claim_memo_write(sequence, memo)
-            self._claims[sequence] = memo
-        return True, self._claims[sequence][0]
 
-    def _read_hint(self) -> int | None:
-        """The head hint's sequence, or None if there is none or it is unusable (then only a hint is lost)."""
-        url = self.head_hint_url
-        self._hint = None
-        try:
-            found = load_json(self._fetch(url, MAX_HINT_BYTES), RECORD, error=CatalogError, expect=dict, file=url)
-        except ObjectNotFound:
-            return None
-        except RefitError as exc:
-            if not quarantinable(exc):
-                raise
-            log.warning("ignoring the catalog's head hint %s: %s", url, exc)
-            return None
-        except Exception as exc:
-            log.warning("ignoring the catalog's head hint %s: %s", url, _unusable(exc, None, url))
-            return None
-        sequence = found.get("sequence") if isinstance(found, dict) else None
-        if (not isinstance(found, dict) or found.get("model") != self.model or type(sequence) is not int
-                or not 0 <= sequence <= MAX_SEQUENCE):
-            log.warning("ignoring the catalog's head hint %s: not a head hint of %s", url, self.model)
-            return None
-        self._hint = sequence
-        return sequence
-
-    def _put_hint(self, record: Revision) -> None:
-        """Point the head hint at ``record`` (best effort: the hint only saves readers probes)."""
-        body = canonical_json({"schema": HEAD_SCHEMA, "model": self.model, "sequence": record.sequence,
-                               "version": record.version})
-        try:
-            self.store.put_replace(self.head_hint_url, body)
-            self._hint = record.sequence
-        except (StorageError, OSError) as exc:
-            log.warning("could not update the catalog's head hint %s (readers find the newest record without "
-                        "it): %s", self.head_hint_url, exc)
 
     def initial(self, version: str | None = None) -> Revision:
         """Revision 0: ``version`` if given, else the record sequence 0's claim names (or, in a catalog without
@@ -591,31 +353,6 @@ class Catalog:
                      delta.checksum_format, delta.version)
         return base
 
-    def claim_sequence(self, sequence: int, version: str, publication: str) -> tuple[str, str | None]:
-        """Claim ``sequence`` for ``version`` on behalf of ``publication`` (a token unique to one publisher run):
-        a create-only ``sequences/{n}.json``. Returns the holder's (version, publication).
-
-        Two publications can never claim the same sequence: the second
-        create-only write finds the first one's claim and gets its holder
-        back. A claim is the claimant's only if the publication token is its
-        own: a claim left by a publisher that crashed before its record is
-        never taken over, so its orphaned payload never meets a later one.
-        """
-        url = join_url(self.url, f"sequences/{sequence:012d}.json")
-        claim = {"model": self.model, "sequence": sequence, "version": version, "publication": publication}
-        try:
-            self.store.put_immutable(url, canonical_json(claim))
-            return version, publication
-        except ImmutableConflict:
-            raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
-            try:
-                found = load_json(raw, RECORD, error=CatalogError, expect=dict, file=url)
-                holder, token = found.get("version"), found.get("publication")
-            except CatalogError:
-                holder, token = None, None
-            if not isinstance(holder, str) or not isinstance(token, (str, type(None))):
-                raise CatalogError("sequence claim is malformed", file=url, field="version") from None
-            return holder, token
 
     def write(self, record: Revision) -> bool:
         """Publish ``record`` create-only; False if the identical record already existed. A new record then
@@ -655,58 +392,3 @@ class Catalog:
                               {"url": url, "record": record.to_json() if signed is None else signed}, durable=False)
 
     # -- local memo of claims and of the newest claim seen (hints: checked against the catalog) ----------
-
-    def _claim_memo(self, sequence: int) -> tuple[str | None, str | None] | None:
-        if self.cache_dir is None:
-            return None
-        try:
-            cached = read_json_file(self.cache_dir / CLAIMS / f"{sequence:012d}.json")
-        except Exception:  # torn (written without fsync) or damaged: just missing
-            return None
-        if (not isinstance(cached, dict) or cached.get("url") != self.claim_url(sequence)
-                or not isinstance(cached.get("version"), str)):
-            return None
-        token = cached.get("publication")
-        return cached["version"], token if isinstance(token, str) else None
-
-    def _claim_memo_write(self, sequence: int, claim: tuple[str | None, str | None]) -> None:
-        if self.cache_dir is not None and claim[0] is not None:
-            atomic_write_json(self.cache_dir / CLAIMS / f"{sequence:012d}.json",
-                              {"url": self.claim_url(sequence), "version": claim[0], "publication": claim[1]},
-                              durable=False)
-
-    def _memo_top(self) -> int | None:
-        """The highest claim this node saw in this catalog (its claim memo holds it), or None."""
-        if self.cache_dir is None:
-            return None
-        try:
-            cached = read_json_file(self.cache_dir / HEAD_HINT)
-        except Exception:
-            return None
-        if not isinstance(cached, dict) or cached.get("url") != self.url:
-            return None
-        sequence = cached.get("sequence")
-        if type(sequence) is not int or not 0 <= sequence <= MAX_SEQUENCE or self._claim_memo(sequence) is None:
-            return None
-        return sequence
-
-    def _memo_top_write(self, sequence: int) -> None:
-        if self.cache_dir is None or self._claim_memo(sequence) is None or self._memo_top() == sequence:
-            return
-        atomic_write_json(self.cache_dir / HEAD_HINT, {"url": self.url, "sequence": sequence}, durable=False)
-
-
-def _claim_fields(raw: bytes, model: str, sequence: int) -> tuple[str, str | None] | None:
-    """(version, publication token) of a claim object, or None if it is not a usable claim of ``sequence``."""
-    try:
-        found = load_json(raw, RECORD, error=CatalogError, expect=dict)
-    except Exception:
-        return None
-    if not isinstance(found, dict):
-        return None
-    version, token = found.get("version"), found.get("publication")
-    if not isinstance(version, str) or not _VERSION_RE.match(version) or not isinstance(token, (str, type(None))):
-        return None
-    if found.get("sequence", sequence) != sequence or found.get("model", model) != model:
-        return None
-    return version, token
