@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage.store import launch_files
 from storage.catalog.records import Revision
 from storage.format.checkpoint import CheckpointIndex
-from storage.durable import boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree
+from storage.durable import (
+    CopyReport, boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree,
+)
 from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
 from storage.killpoints import killpoint
 from storage.store.local_store import Chain, VerifiedCheckpoint, now_ms
@@ -16,6 +20,9 @@ from storage.store.quota import ensure_capacity
 from tasks.receiver import Receiver
 from tasks.resolve_catalog import ReplayPlan
 from tasks.stage import Stage
+
+log = logging.getLogger("canonical_refit.seed")
+SEED_LINKS_ENV = "CANONICAL_REFIT_SEED_LINKS"  # "0": copy the launch snapshot's weights instead of linking them
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class Baseline:
     seeded: bool = False
     recovery: tuple[str, ...] = field(default_factory=tuple)
     bytes: int = 0
+    placed: str = ""  # how the seed's bytes were placed (hard links, reflinks, copies), in words
 
     @property
     def summary(self) -> str:
@@ -34,7 +42,7 @@ class Baseline:
             parts.append("start from a full revision")
         else:
             parts.append(("seeded " if self.seeded else "reuse ") + f"{self.checkpoint.version} "
-                         f"({self.checkpoint.path})")
+                         f"({self.checkpoint.path})" + (f": {self.placed}" if self.placed else ""))
         return "; ".join(parts)
 
 
@@ -57,12 +65,27 @@ def seed_checkpoint(rx: Receiver, plan: ReplayPlan) -> Baseline:
                          revision=root.version, file=str(rx.store.root))
     if root.payload_format == "full_hf_checkpoint":
         return Baseline(None, recovery=recovery)
-    checkpoint, copied = seed_launch_snapshot(rx, root)
-    return Baseline(checkpoint, seeded=True, recovery=recovery, bytes=copied)
+    report = CopyReport()
+    checkpoint, copied = seed_launch_snapshot(rx, root, report=report)
+    return Baseline(checkpoint, seeded=True, recovery=recovery, bytes=copied, placed=report.summary())
 
 
-def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheckpoint, int]:
-    """Copy the launch snapshot into ``full/{initial}`` and verify it; returns the record and bytes."""
+def seed_links() -> bool:
+    """Whether the seed hard-links the launch snapshot's weight files (default) rather than copying them."""
+    return os.environ.get(SEED_LINKS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def seed_launch_snapshot(rx: Receiver, initial: Revision, *,
+                         report: CopyReport | None = None) -> tuple[VerifiedCheckpoint, int]:
+    """Place the launch snapshot into ``full/{initial}`` and verify it; returns the record and bytes placed.
+
+    Its weight files are hard-linked where the store's filesystem allows
+    (the store never writes a ``full/`` file, and the first delta copies
+    the folder before patching, so neither name is ever patched in place);
+    everything else, and every file a link is refused for, is copied
+    (reflink, else ``copy_file_range``). Every file is fsynced either way.
+    ``report`` tallies which was used.
+    """
     seed = rx.params.seed_checkpoint
     if not seed:
         raise StoreError(
@@ -90,9 +113,11 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
     remove_tree(folder)
     staging = rx.store.staging(f"seed-{initial.version}")
     progress = rx.progress(f"seed {initial.version}", size)
+    report = report if report is not None else CopyReport()
     try:
         copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress,
-                                 stop=rx.stop)
+                                 stop=rx.stop, link=launch_files.is_weight_file if seed_links() else None,
+                                 report=report)
         staging.rename(folder)
         fsync_dir(folder.parent)
     except OSError as exc:  # e.g. ENOSPC: drop the partial copy, point the state back at what is verified
@@ -104,6 +129,8 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
         remove_tree(staging)
         rx.store.recover()
         raise
+    log.info("seeded %s from %s: %s", initial.version, seed_path, report.summary(),
+             extra={"copy": report.as_dict() | {"what": "seed", "version": initial.version}})
     killpoint("seed.copied")
     index = CheckpointIndex.open(folder, revision=initial.version)
     try:
@@ -125,11 +152,11 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision) -> tuple[VerifiedCheck
         version=initial.version, path=rx.store.relative(folder), sequence=initial.sequence,
         checksum_format=initial.checksum_format, format_digest=initial.format_digest,
         target_digest=digest, checksums=checksums, files=folder_identity(folder), verified_at_unix_ms=now_ms(),
-        boot_id=boot_id(), flushed=True,  # copy_tree_files fsynced every file
+        boot_id=boot_id(), flushed=True,  # copy_tree_files fsynced every file, linked ones too
         launch_files=kept.digest,
     )
     rx.store.commit_ready(record, Chain(initial.version, initial.version, ()))
-    rx.ledger.note(f"seeded {initial.version} from {seed_path}: {copied:,} bytes, digest verified")
+    rx.ledger.note(f"seeded {initial.version} from {seed_path}: {report.summary()}; digest verified")
     return record, copied
 
 

@@ -1,7 +1,9 @@
 """Turn a verified base and cached delta artifacts into a verified target checkpoint.
 
 ``materialize`` marks the store ``UPDATING``, takes over (rename) the base's
-materialized folder or copies an immutable full checkpoint once, and patches
+materialized folder or copies an immutable full checkpoint once (reflink where
+the filesystem can, else ``copy_file_range``; not fsynced: the patched
+checkpoint is recorded unflushed and written back after ``READY``), and patches
 it in place. ``verify_target`` computes the snapshot digest from the base's
 verified checksums plus the checksums computed while patching, checks it
 against the catalog, and only then records the checkpoint and marks ``READY``.
@@ -23,7 +25,7 @@ from storage.catalog.records import Revision, parse_revision
 from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.format.digests import snapshot_digest
 from storage.durable import (
-    boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size,
+    CopyReport, boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size,
 )
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
@@ -48,6 +50,7 @@ class Materialized:
     copied_bytes: int = 0
     patched_bytes: int = 0
     mutated: bool = True
+    placed: CopyReport | None = None  # how the base's copy was made (None: taken over by rename)
 
 
 def chain_after(store: LocalStore, base: VerifiedCheckpoint, versions: Sequence[str], target: str) -> Chain:
@@ -85,7 +88,7 @@ def materialize(
     """Apply ``deltas`` (oldest first) to ``base``, producing ``materialized/{target}``.
 
     A sequential delta takes the base's materialized folder over by rename; the
-    first delta after a full checkpoint copies it once. ``source`` hands out
+    first delta after a full checkpoint copies it once (``copy_base``). ``source`` hands out
     tensor plans (default: every bucket validated up front, before the store
     goes ``UPDATING``; ``ArrivingPlans`` validates buckets as they arrive).
     If anything fails once the store is ``UPDATING``, the error carries
@@ -116,19 +119,14 @@ def materialize(
     undone = False
     try:
         remove_tree(target_dir)
-        copied = 0
+        copied, placed = 0, None
         if takeover:
             store.release_base(base.version)
             os.rename(base_path, target_dir)
             fsync_dir(target_dir.parent)
         else:
-            staging = store.staging(f"materialize-{target.version}")
-            try:
-                copied = copy_tree_files(base_path, staging, workers=workers, stop=stop)
-                staging.rename(target_dir)
-            finally:
-                remove_tree(staging)
-            fsync_dir(target_dir.parent)
+            placed = copy_base(store, base, target_dir, workers=workers, stop=stop)
+            copied = placed.total
         killpoint("apply.materialized")
         index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
         try:
@@ -152,7 +150,32 @@ def materialize(
         exc.rollback = Rollback(base, target_dir, takeover, undone)
         raise
     return Materialized(target.version, target_dir, base, patched, chain, copied,
-                        sum(base_index.tensors[n].nbytes for n in patched))
+                        sum(base_index.tensors[n].nbytes for n in patched), placed=placed)
+
+
+def copy_base(store: LocalStore, base: VerifiedCheckpoint, target_dir: Path, *, workers: int,
+              stop: StopToken | None = None) -> CopyReport:
+    """Copy an immutable full checkpoint into ``target_dir`` (through ``tmp/``) for patching; inside ``UPDATING``.
+
+    The one copy a fresh node's model gets (its seed links the launch
+    snapshot): reflinked where the filesystem can, else ``copy_file_range``;
+    never hard-linked, since these files are about to be patched in place.
+    The files are not fsynced here: the patched checkpoint is recorded with
+    ``flushed=False`` and written back after ``READY`` (``storage.store.flush``),
+    like its patched pages, and a crash before ``READY`` discards the folder.
+    """
+    report = CopyReport()
+    staging = store.staging(f"materialize-{target_dir.name}")
+    try:
+        copy_tree_files(store.absolute(base.path), staging, workers=workers, stop=stop, durable=False,
+                        report=report)
+        staging.rename(target_dir)
+    finally:
+        remove_tree(staging)
+    fsync_dir(target_dir.parent)
+    log.info("copied %s (%s) into %s for patching: %s", base.version, base.path, store.relative(target_dir),
+             report.summary(), extra={"copy": report.as_dict() | {"what": "materialize", "version": base.version}})
+    return report
 
 
 def roll_back(store: LocalStore, error: BaseException, previous: str | None, *, workers: int,
