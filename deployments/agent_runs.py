@@ -17,6 +17,7 @@ from uuid import UUID
 
 from deployments.orphans import CLAIM
 from deployments.pinning import RunRefused
+from flows.prefect_adapter import run_claimed_flow
 from storage.cancel import StopToken, current_stop
 
 log = logging.getLogger("canonical_refit.agent")
@@ -56,8 +57,6 @@ class RunExecution:
 
     def _execute(self, client, run) -> None:
         """Run one claimed flow run in this process; cancellation from the server stops it cooperatively."""
-        from prefect.flow_engine import run_flow
-
         flow = self._flows[run.deployment_id]
         self.stats.api_requests += 1
         claimed = client.read_flow_run(run.id)  # its parameters as they are now, after the claim
@@ -80,7 +79,7 @@ class RunExecution:
             outcome = self.outcomes.get(flow.name)
             if outcome is not None:
                 outcome(reset=True)
-            state = run_flow(flow, flow_run=claimed, parameters=parameters, return_type="state")
+            state = run_claimed_flow(flow, claimed, parameters)
             failed = state is not None and hasattr(state, "is_failed") and (state.is_failed() or state.is_crashed())
             (log.error if failed else log.info)(
                 "flow run %s ended %s in %.2fs%s", run.name, getattr(state, "name", state),

@@ -35,22 +35,22 @@ is started again. See docs/operations.md.
 from __future__ import annotations
 
 import os
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-import sys  # noqa: E402
-from datetime import timedelta  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Literal  # noqa: E402
+import argparse
+import json
+import re
+import logging
+import time
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator  # noqa: E402
-from pydantic_settings import BaseSettings, SettingsConfigDict  # noqa: E402
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from deployments.pinning import MAY_BE_OPENED, RefitPins, publish_pins  # noqa: E402
-from flows.options import Flag, add_flags, build, given  # noqa: E402
-from storage.settings import RefitParams  # noqa: E402
+from deployments.pinning import MAY_BE_OPENED, RefitPins, publish_pins
+from flows.options import Flag, add_flags, build, given
+from storage.settings import RefitParams
 
 log = logging.getLogger("canonical_refit.serve")
 EVENT = "canonical-refit.revision.published"  # flows.publish.EVENT, without importing Prefect here
@@ -299,14 +299,11 @@ def api_url() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from flows.bootstrap import bootstrap
 
-    bootstrap()  # Prefect's environment defaults, before Prefect is imported (--help never imports it)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API poll otherwise
-    params, settings, args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    params, settings, args = parse_args(list(sys.argv[1:] if argv is None else argv))  # --help: no Prefect
     if args.print_params:
         print(json.dumps(refit_parameters(params, target=args.target, only_if_newer=args.target == "latest")))
         return 0
+    bootstrap(log_to_stderr=True)  # environment, logging, then Prefect (checked) and its heartbeat sender
     url = api_url()
     if not url:
         # an ephemeral server lives and dies with this process: no other process's event could reach it

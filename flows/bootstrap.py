@@ -1,20 +1,34 @@
-"""The process set-up of a command that runs a flow, done once before Prefect is imported.
+"""The process set-up of a command that runs a flow: one call, by the entry points, never at import.
 
-Prefect reads its logging settings when it is imported, so these defaults
-must be in the environment first. The entry points that run a flow call
-``bootstrap()`` before anything imports Prefect (``python -m flows.refit``
-for a refit or the demo, ``python -m flows.publish`` for a publication,
-``python -m deployments.serve``), and so do the flow modules themselves
-(``flows.refit``, ``flows.publish``) for a program that imports a flow
-directly. A command that runs no flow (``status``, ``recover``, ``--help``,
-``flows.fleet``) never calls it and never imports Prefect. Prefect-free:
-nothing here imports it.
+``bootstrap()`` does, in order:
+
+1. Prefect's environment defaults (``ENVIRONMENT``; a value already set
+   wins). Prefect reads its logging settings when it is imported, so this
+   runs before anything imports Prefect.
+2. Which Prefect API (``prefer_local_server``): the running local server of
+   ``PREFECT_HOME`` when nothing else is configured
+   (``flows.prefect_api.preselect_local_server``), also before Prefect is
+   imported, so its settings are built once.
+3. Logging: the product's logger at INFO; with ``log_to_stderr`` (a
+   long-running process: the node agent) the root logger writes to stderr.
+4. Prefect itself (``flows.prefect_adapter.start``): the capability check
+   (an unsupported Prefect fails here, loudly), the heartbeat sender and the
+   product logger's Prefect handlers.
+
+The entry points: ``python -m flows.refit`` (a refit or the demo; ``status``,
+``recover``, ``activate`` and ``--help`` run no flow and never call it),
+``python -m flows.publish``, ``python -m deployments.serve`` (the node
+agent). Importing a flow module sets nothing up: a program that imports
+``flows.refit`` or ``flows.api`` keeps its environment and its logging, and
+a flow of ours still calls step 4 when it runs (``flow_run_reporting``).
+This module imports Prefect only in step 4.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 ENVIRONMENT = {
     # the product's own log lines go to the flow run's logs too
@@ -22,10 +36,28 @@ ENVIRONMENT = {
     # stage helpers log from worker threads, outside any run context: keep those lines local
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def bootstrap() -> None:
-    """Set Prefect's environment defaults (a value already set wins) and the product's log level; idempotent."""
+def environment() -> None:
+    """Step 1 alone: Prefect's environment defaults (a value already set wins)."""
     for name, value in ENVIRONMENT.items():
         os.environ.setdefault(name, value)
+
+
+def bootstrap(*, prefer_local_server: bool = False, log_to_stderr: bool = False, prefect: bool = True) -> None:
+    """Set this process up to run flows (see the module); idempotent. ``prefect=False`` stops before Prefect is
+    imported (a command that may still end without running a flow)."""
+    environment()
+    if prefer_local_server:
+        from flows.prefect_api import preselect_local_server
+
+        preselect_local_server()
+    if log_to_stderr:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API request otherwise
     logging.getLogger("canonical_refit").setLevel(logging.INFO)  # Prefect leaves extra loggers at WARNING
+    if prefect:
+        from flows.prefect_adapter import start
+
+        start()

@@ -10,53 +10,45 @@ create-only), so no reader ever sees a record whose payload is incomplete.
 from __future__ import annotations
 
 if __name__ == "__main__":  # the CLI: --help, orphans and keygen end here, without Prefect (flows.publish_cli);
-    # a publication settles which Prefect API to use before Prefect is imported
+    # a publication sets the process up (which Prefect API, its environment) before Prefect is imported
     import sys
 
+    from flows.bootstrap import bootstrap
     from flows.cli import exit_with
-    from flows.prefect_api import preselect_local_server
     from flows.publish_cli import quick_main
 
     if (_code := quick_main(sys.argv[1:])) is not None:
         exit_with(_code)
-    preselect_local_server()
+    bootstrap(prefer_local_server=True)
 
-from flows.bootstrap import bootstrap
+import json
+import logging
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
-bootstrap()  # Prefect's environment defaults, before Prefect is imported (the entry points call it first)
+from prefect import flow
 
-import json  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from prefect import flow  # noqa: E402
-
-from storage.catalog.records import Revision  # noqa: E402
-from storage.errors import ImmutableConflict, RefitError  # noqa: E402
-from storage.killpoints import killpoint  # noqa: E402
-from storage.urls import join_url  # noqa: E402
-from storage.catalog.kept_base import KEEP_BASES, PublisherCopy, StagedCopy  # noqa: E402
-from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, Snapshot, make_record, same_publication  # noqa: E402
-from storage.format.tensor_source import MemoryCheckpoint  # noqa: E402
-from storage.settings import PublishParams  # noqa: E402
-from flows.publish_cli import PUBLISH_FLAGS, orphans_main, parse_args, quick_main  # noqa: E402,F401 (re-exported)
-from flows.prefect_api import configured_api_url  # noqa: E402
-from tasks.encode_payload import ENCODE_PAYLOAD  # noqa: E402
-from tasks.plan_revision import PLAN_REVISION, Publication  # noqa: E402
-from tasks.publisher import Publisher, PublishResult  # noqa: E402
-from tasks.upload_payload import UPLOAD_PAYLOAD  # noqa: E402
-from tasks.write_record import EVENT, WRITE_RECORD, emit_published  # noqa: E402,F401 (re-exported)
-from flows.announce import announce  # noqa: E402
-from tasks.stage import in_flow_run, unpersisted_results  # noqa: E402
-from flows import heartbeats  # noqa: E402
-
-heartbeats.install()
+from storage.catalog.records import Revision
+from storage.errors import ImmutableConflict, RefitError
+from storage.killpoints import killpoint
+from storage.urls import join_url
+from storage.catalog.kept_base import KEEP_BASES, PublisherCopy, StagedCopy
+from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, Snapshot, make_record, same_publication
+from storage.format.tensor_source import MemoryCheckpoint
+from storage.settings import PublishParams
+from flows.publish_cli import PUBLISH_FLAGS, orphans_main, parse_args, quick_main  # noqa: F401 (re-exported)
+from tasks.encode_payload import ENCODE_PAYLOAD
+from tasks.plan_revision import PLAN_REVISION, Publication
+from tasks.publisher import Publisher, PublishResult
+from tasks.upload_payload import UPLOAD_PAYLOAD
+from tasks.write_record import EVENT, WRITE_RECORD, emit_published  # noqa: F401 (re-exported)
+from flows.announce import announce
+from flows.prefect_adapter import can_emit_events, flow_run_reporting, in_flow_run, unpersisted_results
 
 log = logging.getLogger("canonical_refit.publish")
 
@@ -67,7 +59,8 @@ log = logging.getLogger("canonical_refit.publish")
       persist_result=False, result_storage=unpersisted_results())
 def publish(params: PublishParams) -> PublishResult:
     """Publish ``params.checkpoint`` as the launch revision, a full revision or an exact-base delta."""
-    return run_publish(params)
+    with flow_run_reporting():  # its stages are the flow run's task runs
+        return run_publish(params)
 
 
 def put_publication(pub: Publisher, payload: Payload | None, url: str, record: Revision) -> tuple[int, bool, int]:
@@ -180,15 +173,23 @@ def start_publish(params: PublishParams, *, source: MemoryCheckpoint | None = No
         finally:
             turn.release()
 
-    future = _UPLOADS.submit(finish)
+    future = _uploads().submit(finish)
     return PendingPublish(prepared.plan.version, prepared.plan.sequence, future,
                           round(time.perf_counter() - started, 4))
 
 
 _TURNS: dict[tuple[str, str], threading.Lock] = {}
 _TURNS_LOCK = threading.Lock()
-# joined when the interpreter exits (concurrent.futures does): a pending upload is finished, not dropped
-_UPLOADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="publish-upload")
+_UPLOADS: list[ThreadPoolExecutor] = []  # made by the first start_publish, not at import
+
+
+def _uploads() -> ThreadPoolExecutor:
+    """The pool that finishes ``start_publish``'s uploads; joined when the interpreter exits (concurrent.futures
+    does), so a pending upload is finished, not dropped."""
+    with _TURNS_LOCK:
+        if not _UPLOADS:
+            _UPLOADS.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="publish-upload"))
+        return _UPLOADS[0]
 
 
 def _turn(params: PublishParams) -> threading.Lock:
@@ -286,7 +287,7 @@ def _upload_and_record(prepared: _Prepared) -> PublishResult:
         prepared.staged.commit()  # the record is written: this copy is the next delta's exact base
     delivery = None
     if params.emit_event:
-        if in_flow_run() or configured_api_url():
+        if can_emit_events():
             delivery = announce(record, catalog, budget_s=params.event_delivery_s)
         else:  # a trainer process without Prefect: nothing to announce to (nodes still find it by polling)
             log.info("no Prefect API configured: %s was published without the %s event", record.version, EVENT)

@@ -78,10 +78,9 @@ def run_publish_part(params: PublishParams, *, source: MemoryCheckpoint | None =
         delivery = None
         if rank == 0 and params.emit_event:
             from flows.announce import announce
-            from flows.prefect_api import configured_api_url
-            from tasks.stage import in_flow_run
+            from flows.prefect_adapter import can_emit_events
 
-            if in_flow_run() or configured_api_url():
+            if can_emit_events():
                 delivery = announce(record, pub.catalog, budget_s=params.event_delivery_s)
         seconds = time.perf_counter() - started
         return PublishResult(

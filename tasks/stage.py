@@ -1,39 +1,59 @@
-"""How a plain function becomes a pipeline stage: named, measured, retried, a Prefect task inside a flow run.
+"""How a plain function becomes a pipeline stage: named, measured, stopped, reported to whoever is listening.
 
-The one Prefect adapter of the project. A stage's function takes its run
-first — a ``Receiver`` (``tasks/receiver.py``) or a ``Publisher``
-(``tasks/publisher.py``): anything with ``stage(name)`` (which measures the
-stage into the run's ledger), ``stop`` and ``stage_retry_policy()``. A
-``Stage`` runs it the same way everywhere: measured, each attempt checking
-the run's stop token first, transient failures retried inside the stage
-under the run's stage retry policy when the stage is ``retried`` (inside:
-in the calling thread, so a retry never outlives the store lock). Inside a
-Prefect flow run it runs as a task of its name (one task run per stage,
-states and timings in the UI); outside one (the crash harness, a trainer
-process, the benchmarks) as the plain function. The composition that calls
-the stages is the same either way.
+A stage's function takes its run first — a ``Receiver``
+(``tasks/receiver.py``) or a ``Publisher`` (``tasks/publisher.py``):
+anything with ``stage(name)`` (which measures the stage into the run's
+ledger) and ``stop``. A ``Stage`` runs it the same way everywhere: measured,
+after checking the run's stop token, once. A stage does not retry: its
+requests retry transient I/O, and the whole run retries after a rollback
+(``storage/retry.py`` says which layer retries what).
+
+Who hears of a stage is injected, not looked up: the stage reporter of the
+current context (``reporting_stages``). By default it is the null reporter
+(the crash harness, a trainer process, the benchmarks); a flow of ours
+injects Prefect's (``flows/prefect_adapter.py``), which reports each stage
+as a task run of the flow run. This module never imports Prefect.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Generic, Sequence, TypeVar
-
-from storage.retry import RetryPolicy
+from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
 R = TypeVar("R")
-ONCE = RetryPolicy(1, 0.0)
 
 
-def in_flow_run() -> bool:
-    """True inside a Prefect flow run (stages then run as its tasks)."""
-    from prefect.context import FlowRunContext
+class NullStages:
+    """The stage reporter outside a flow run of ours: nobody to tell, the stage just runs."""
 
-    return FlowRunContext.get() is not None
+    reporting = False
+
+    def run(self, stage: "Stage", run, body: Callable[[], R]) -> R:
+        return body()
+
+
+NULL_STAGES = NullStages()
+_reporter: contextvars.ContextVar = contextvars.ContextVar("canonical_refit_stage_reporter", default=NULL_STAGES)
+
+
+def stage_reporter():
+    """The stage reporter of this context: ``run(stage, run, body)`` runs ``body`` and reports it."""
+    return _reporter.get()
+
+
+@contextmanager
+def reporting_stages(reporter) -> Iterator[None]:
+    """Inside, the stages run in this context (and the threads they start) are reported to ``reporter``."""
+    token = _reporter.set(reporter)
+    try:
+        yield
+    finally:
+        _reporter.reset(token)
 
 
 @dataclass
@@ -100,63 +120,6 @@ class Ledger:
         self.notes.append(message)
 
 
-def report_task_run(prefect_task, name: str, context, started, ended, error: BaseException | None, *,
-                    interrupted: bool) -> None:
-    """Tell Prefect about a stage that ran from ``started`` to ``ended`` in the flow run of ``context``: one task
-    run, in its final state (Completed, Failed, or Cancelled named Interrupted or Cancelled), with its times.
-
-    Prefect's own task engine sends three events per task run (Pending, Running, then the final state) and
-    reads the server's result storage settings for each; the server records a task run from any of its
-    state events, so one event, sent when the stage ends, gives the UI the same task run, state and timing
-    for a third of the cost (docs/fleet.md, "What a refit costs the server"). Best effort: a stage is never
-    failed by its report.
-    """
-    try:
-        from uuid import uuid4
-
-        from prefect._internal.uuid7 import uuid7
-        from prefect.client.schemas.objects import StateDetails, TaskRun, TaskRunPolicy
-        from prefect.states import Cancelled, Completed, Failed
-        from prefect.utilities.engine import emit_task_run_state_change_event
-
-        from storage.errors import Cancelled as StageCancelled, Interrupted
-
-        flow_run = getattr(context, "flow_run", None)
-        if flow_run is None:
-            return
-        task_run_id = uuid7()
-        details = StateDetails(task_run_id=task_run_id, flow_run_id=flow_run.id)
-        if error is None:
-            state = Completed(state_details=details)
-        elif interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
-            state = Cancelled(name="Interrupted", message=str(error), state_details=details)
-        elif isinstance(error, StageCancelled):
-            state = Cancelled(message=str(error), state_details=details)
-        else:
-            state = Failed(message=str(error) or type(error).__name__, state_details=details)
-        state.timestamp = ended
-        task_run = TaskRun(
-            id=task_run_id, name=name, flow_run_id=flow_run.id, task_key=prefect_task.task_key,
-            dynamic_key=str(uuid4()), task_version=prefect_task.version,
-            empirical_policy=TaskRunPolicy(retries=0), tags=list(prefect_task.tags), labels={}, task_inputs={},
-            state=state, state_type=state.type, state_name=state.name, run_count=1, flow_run_run_count=1,
-            expected_start_time=started, start_time=started, end_time=ended, total_run_time=ended - started)
-        emit_task_run_state_change_event(task_run=task_run, initial_state=None, validated_state=state)
-    except Exception as exc:  # the UI misses a task run; the refit goes on
-        import logging
-
-        logging.getLogger("canonical_refit.stage").debug("could not report the task run of %s: %s", name, exc)
-
-
-def unpersisted_results():
-    """Where results would go, named so that Prefect does not ask the server (one ``GET /admin/storage`` per
-    flow and task run otherwise): results are never persisted (``persist_result=False`` everywhere), so this
-    folder is only ever named, never written."""
-    from prefect.settings import get_current_settings
-
-    return Path(get_current_settings().results.local_storage_path)
-
-
 def stage_status(error: BaseException, interrupted: bool) -> str:
     """How a stage that raised ``error`` ended: ``interrupted`` (Ctrl-C, SIGTERM, a cancellation), ``cancelled``
     (stopped because another stage failed) or ``failed``."""
@@ -199,80 +162,42 @@ class Running(Generic[R]):
 
 
 class Stage(Generic[R]):
-    """One pipeline stage over a plain function ``fn(run, ...)``.
+    """One pipeline stage over a plain function ``fn(run, ...)``, run once, measured and reported.
 
-    ``retried`` stages retry transient errors under the run's stage retry
-    policy (read-only stages, an idempotent upload); stages that change the
-    store never do: a second attempt could act on a half-written state. A
-    stage that is not ``interruptible`` runs even when the run was asked to
+    A stage that is not ``interruptible`` runs even when the run was asked to
     stop (activation, once the engine has loaded the new weights).
+    ``retried`` is kept for the stage definitions that pass it and says only
+    that the stage is idempotent (read-only, or create-only writes): a stage
+    is never retried by itself any more (``storage/retry.py``).
     """
 
-    def __init__(self, name: str, fn: Callable[..., R], *, retried: bool, interruptible: bool = True):
+    def __init__(self, name: str, fn: Callable[..., R], *, retried: bool = False, interruptible: bool = True):
         self.name, self.fn, self.retried, self.interruptible = name, fn, retried, interruptible
         functools.update_wrapper(self, fn)
 
-    @functools.cached_property
-    def task(self):
-        """The Prefect task this stage is a run of (its name, key and version); it is reported, not run by
-        Prefect's task engine: ``report_task_run``. Built on first use, inside a flow run: importing a stage
-        (a command that runs no flow) never imports Prefect."""
-        from prefect import task
-        from prefect.cache_policies import NO_CACHE
-
-        return task(name=self.name, task_run_name=self.name, cache_policy=NO_CACHE, persist_result=False,
-                    result_storage=unpersisted_results(), retries=0)(self._measured)
-
     def _measured(self, run, *args, **kwargs) -> R:
-        def attempt() -> R:
-            if self.interruptible:
-                run.stop.check()
-            with run.stage(self.name) as record:
-                result = self.fn(run, *args, **kwargs)
-                record.bytes = int(getattr(result, "bytes", 0) or 0)
-                record.detail = str(getattr(result, "summary", "") or "")
-                return result
-
-        policy = run.stage_retry_policy() if self.retried else ONCE
-        return policy.call(f"stage {self.name}", attempt, wait=run.stop.wait)
+        if self.interruptible:
+            run.stop.check()
+        with run.stage(self.name) as record:
+            result = self.fn(run, *args, **kwargs)
+            record.bytes = int(getattr(result, "bytes", 0) or 0)
+            record.detail = str(getattr(result, "summary", "") or "")
+            return result
 
     def __call__(self, run, *args, **kwargs) -> R:
-        if in_flow_run():
-            return self._as_task_run(run, lambda: self._measured(run, *args, **kwargs))
-        return self._measured(run, *args, **kwargs)
+        return stage_reporter().run(self, run, lambda: self._measured(run, *args, **kwargs))
 
-    def _run_name(self, run) -> str:
-        """The task run's name; with its attempt when the whole run is being retried, so the UI shows each."""
+    def run_name(self, run) -> str:
+        """The stage's name in a report; with its attempt when the whole run is being retried, so each shows."""
         attempt = getattr(run, "attempt", 1)
         return self.name if attempt == 1 else f"{self.name} (attempt {attempt})"
 
-    def _as_task_run(self, run, body: Callable[[], R]) -> R:
-        """``body()``, reported to Prefect as this stage's task run: one event when it ends, with its final state
-        and its start and end (see ``report_task_run``)."""
-        from prefect.context import FlowRunContext
-        from prefect.types._datetime import now
-
-        context = FlowRunContext.get()
-        started = now("UTC")
-        error: BaseException | None = None
-        try:
-            return body()
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            report_task_run(self.task, self._run_name(run), context, started, now("UTC"), error,
-                            interrupted=bool(run.stop is not None and run.stop.interrupted))
-
     def start(self, run, *args, **kwargs) -> Running[R]:
-        """Run the stage beside the caller (in a thread; inside a flow run, reported as its task run)."""
-        if in_flow_run():
-            import contextvars
-
-            context = contextvars.copy_context()  # the flow run's, for the thread
-            return self._in_thread(run, lambda: context.run(
-                self._as_task_run, run, lambda: self._measured(run, *args, **kwargs)))
-        return self._in_thread(run, lambda: self._measured(run, *args, **kwargs))
+        """Run the stage beside the caller, in a thread that sees this context (its stage reporter included)."""
+        context = contextvars.copy_context()
+        reporter = stage_reporter()
+        return self._in_thread(run, lambda: context.run(
+            reporter.run, self, run, lambda: self._measured(run, *args, **kwargs)))
 
     def _in_thread(self, run, call: Callable[[], R]) -> Running[R]:
         outcome: dict[str, Any] = {}
