@@ -143,7 +143,7 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
     from flows.refit import refit as refit_flow
     from flows.refit import run_refit
     from flows.report import result_of
-    from tasks.stage import in_flow_run
+    from flows.prefect_adapter import in_flow_run
 
     values: dict = dict(catalog=catalog, model=model, target=target, cache_dir=cache_dir,
                         seed_checkpoint=str(seed_checkpoint) if seed_checkpoint else None, **settings)

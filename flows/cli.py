@@ -74,16 +74,12 @@ def build_params(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_expected_errors()
-    if not argv or argv[0] not in _COMMANDS:  # a refit or the demo: a flow run, through a Prefect API
+    if not argv:  # the demo: flow runs, through a Prefect API
         from flows.bootstrap import bootstrap
-        from flows.prefect_api import preselect_local_server
-
-        bootstrap()  # before Prefect is imported; status, recover and activate never import it
-        preselect_local_server()
-    if not argv:
         from flows.prefect_api import prefect_api
         from flows.demo import run_demo
 
+        bootstrap(prefer_local_server=True)
         with prefect_api():
             return run_demo()
     from pydantic import ValidationError
@@ -101,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         params = build_params(args)
     except ValidationError as exc:
         parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+    from flows.bootstrap import bootstrap
+
+    bootstrap(prefer_local_server=True)  # a refit runs a flow; status, recover, activate and --help never get here
     result = run_cli_refit(params)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True), flush=True)

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import replace
 
-from flows.prefect_api import configured_api_url
+from flows.prefect_adapter import can_emit_events
 from flows.outcome import retryable_run
 from flows.report import READY, SKIPPED, RefitResult
 from storage.catalog.nodes import DRIFTED, NodeRecord, scan_node_records, write_node_record
@@ -26,7 +26,6 @@ from storage.objects.store import ObjectStore
 from storage.settings import RefitParams
 from storage.store.local_store import ActiveIdentity, LocalStore
 from tasks.installers.base import confirmed, engine_reports
-from tasks.stage import in_flow_run
 
 log = logging.getLogger("canonical_refit.refit")
 NODE_EVENT = "canonical-refit.node.{status}"
@@ -151,7 +150,7 @@ def _write(params: RefitParams, record: NodeRecord) -> bool:
 
 
 def _emit(params: RefitParams, record: NodeRecord) -> None:
-    if not (in_flow_run() or configured_api_url()):
+    if not can_emit_events():
         return
     try:
         from prefect.events import emit_event

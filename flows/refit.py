@@ -15,46 +15,39 @@ if __name__ == "__main__":  # the CLI (flows.cli); Prefect is imported only by t
 
     exit_with(main())
 
-from flows.bootstrap import bootstrap
+import logging
+import time
+from contextlib import contextmanager
+from typing import Iterator
 
-bootstrap()  # Prefect's environment defaults, before Prefect is imported (the entry points call it first)
+from prefect import flow
+from prefect.states import State
 
-import logging  # noqa: E402
-import time  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from typing import Iterator  # noqa: E402
-
-from prefect import flow  # noqa: E402
-from prefect.states import State  # noqa: E402
-
-from flows.report import (  # noqa: E402
+from flows.report import (
     INTERRUPTED, READY, SKIPPED, PrefectReporter, RefitResult, build_result, remember,
 )
-from storage.cancel import StopToken, current_stop, signals_stop_the_run  # noqa: E402
-from storage.errors import Interrupted  # noqa: E402
-from storage.store.flush import flush_in_background  # noqa: E402
-from storage.store.local_store import UPDATING  # noqa: E402
-from storage.killpoints import killpoint  # noqa: E402
-from storage.patch.pipeline import Arrivals  # noqa: E402
-from storage.patch.reconstruct import roll_back  # noqa: E402
-from storage.settings import RefitParams  # noqa: E402
-from tasks.activate import ACTIVATE  # noqa: E402
-from tasks.apply_deltas import APPLY_DELTAS  # noqa: E402
-from tasks.fetch_buckets import FETCH_BUCKETS, discard_rejected_artifact  # noqa: E402
-from tasks.fetch_index import FETCH_INDEX  # noqa: E402
-from tasks.install import INSTALL, heal_interrupted_install  # noqa: E402
-from tasks.installers import make_installer  # noqa: E402
-from tasks.receiver import Receiver  # noqa: E402
-from tasks.resolve_catalog import RESOLVE_CATALOG  # noqa: E402
-from tasks.seed_checkpoint import SEED_CHECKPOINT  # noqa: E402
-from tasks.stage import unpersisted_results  # noqa: E402
-from tasks.verify_digest import VERIFY_DIGEST  # noqa: E402
-from flows import heartbeats  # noqa: E402
-from flows.node_report import report_node  # noqa: E402
-from flows.outcome import final_state, next_step, next_step_after_interrupt, outcome_of, retryable_run  # noqa: E402
-from flows.run_labels import log_outcome, refit_run_name  # noqa: E402
-
-heartbeats.install()
+from storage.cancel import StopToken, current_stop, signals_stop_the_run
+from storage.errors import Interrupted
+from storage.store.flush import flush_in_background
+from storage.store.local_store import UPDATING
+from storage.killpoints import killpoint
+from storage.patch.pipeline import Arrivals
+from storage.patch.reconstruct import roll_back
+from storage.settings import RefitParams
+from tasks.activate import ACTIVATE
+from tasks.apply_deltas import APPLY_DELTAS
+from tasks.fetch_buckets import FETCH_BUCKETS, discard_rejected_artifact
+from tasks.fetch_index import FETCH_INDEX
+from tasks.install import INSTALL, heal_interrupted_install
+from tasks.installers import make_installer
+from tasks.receiver import Receiver
+from tasks.resolve_catalog import RESOLVE_CATALOG
+from tasks.seed_checkpoint import SEED_CHECKPOINT
+from tasks.verify_digest import VERIFY_DIGEST
+from flows.prefect_adapter import flow_run_reporting, unpersisted_results
+from flows.node_report import report_node
+from flows.outcome import final_state, next_step, next_step_after_interrupt, outcome_of, retryable_run
+from flows.run_labels import log_outcome, refit_run_name
 
 log = logging.getLogger("canonical_refit.refit")
 
@@ -211,8 +204,8 @@ def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None
       persist_result=False, result_storage=unpersisted_results())
 def refit(params: RefitParams) -> State:
     """Resolve, seed, fetch, apply, verify, install and activate one target revision."""
-    with signals_stop_the_run():  # Ctrl-C, SIGTERM and Prefect's cancellation stop the run cooperatively
-        result = run_refit(params, reporter=PrefectReporter(params.model))
+    with signals_stop_the_run(), flow_run_reporting():  # Ctrl-C, SIGTERM and Prefect's cancellation stop the
+        result = run_refit(params, reporter=PrefectReporter(params.model))  # run; its stages are its task runs
     log_outcome(params.node, params.model, params.target, result)  # a failure at ERROR in the run's logs
     return final_state(result)
 

@@ -129,11 +129,12 @@ def test_recovery_through_sglang_engines_runs_without_prefect(tmp_path, fake_sgl
 
 
 def test_prefect_gets_its_environment_defaults_before_it_is_imported(tmp_path):
-    """After the quick commands' modules (the CLI, the API), importing a flow still sets the defaults first:
-    Prefect's logging set-up reads them when it is imported, and hands the product's logger its API handler."""
+    """After the quick commands' modules (the CLI, the API), the entry points' bootstrap sets the defaults before
+    Prefect is imported: Prefect's logging set-up reads them, and hands the product's logger its API handler."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_LOGGING_", "CANONICAL_REFIT_"))}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"))
-    code = ("import logging, os, sys, flows.cli, flows.api; assert 'prefect' not in sys.modules; import flows.refit; "
+    code = ("import logging, os, sys, flows.cli, flows.api; assert 'prefect' not in sys.modules; "
+            "from flows.bootstrap import bootstrap; bootstrap(); import flows.refit; "
             "print(os.environ['PREFECT_LOGGING_EXTRA_LOGGERS'], logging.getLogger('canonical_refit').level, "
             "[type(h).__name__ for h in logging.getLogger('canonical_refit').handlers])")
     done, prefect = run(["-c", code], env)
