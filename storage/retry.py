@@ -1,13 +1,41 @@
-"""One retry policy for every level: a request, a stage, a whole refit, a publication.
+"""One retry policy, and the one place that says which layer retries what.
 
 A ``RetryPolicy`` says how many attempts there are in all, how long to wait
 before each next one (exponential backoff, capped, optionally jittered), and
 ``transient`` says what is worth another attempt: a ``RefitError`` marked
 transient (timeouts, throttling, 5xx, resets, short bodies) raised before the
 local checkpoint was touched. Bad input, a missing object, denied access,
-poison and an interrupt never are. Each level builds its policy from its own
-settings (``ObjectStoreSettings``, ``RefitParams``, ``PublishParams``), so
-tests and operators tune the waits without touching code.
+poison and an interrupt never are.
+
+One retry layer per failure domain, so that retries never multiply:
+
+=================  ====================================  ===============================================
+layer              retries                               policy (settings)
+=================  ====================================  ===============================================
+a request          transient I/O of that one request:    ``ObjectStoreSettings.retry_policy``
+                   a timeout, throttling, a 5xx, a       (``retry_attempts``, ``backoff_initial_s``,
+                   reset, a short body                   ``backoff_max_s``); botocore's own retries are off
+                                                         (``storage/objects/s3client.py``)
+a stage            nothing: it runs once. Its time is    ``tasks/stage.py`` (no loop); the stop token
+                   bounded by its requests (attempts x   (``storage/cancel.py``) ends it at once on an
+                   timeouts, capped backoff) and by the  interrupt or a cancellation
+                   run's stop token
+a refit            the whole run, after a transient      ``RefitParams.run_retry_policy`` (``retries``,
+                   failure, once the attempt released    ``retry_delay_s``): ``flows/refit.py``
+                   everything and rolled the store back  ``run_refit``; never after poison, an interrupt or
+                                                         bad input
+a publication      the upload and the record write       ``PublishParams.publication_retry_policy``
+                   together (create-only writes: a       (``retries``, ``retry_delay_s``):
+                   retry completes a partial upload)     ``flows/publish.py`` ``put_publication``
+=================  ====================================  ===============================================
+
+During an outage a request is therefore tried ``retry_attempts`` times per
+run attempt, and the run ``retries + 1`` times: at most their product (6 x 4
+with the defaults), each run attempt starting over from a consistent store.
+The settings ``stage_retries`` and ``stage_retry_delay_s`` are still accepted
+(command lines keep working) and no longer do anything. Event delivery
+(``flows/announce.py``) and the node agent's API polls have their own
+backoffs: they are not on a run's path.
 """
 
 from __future__ import annotations

@@ -164,11 +164,10 @@ class RefitParams(BaseSettings):
     retry_delay_s: float = Field(
         10.0, ge=0, le=3600, description="wait before the first whole-run retry, doubled for each next one")
     stage_retries: int = Field(
-        2, ge=0, le=20, description="retries of a read-only stage (resolve catalog, fetch index) after a transient "
-                                    "failure, inside the stage")
+        2, ge=0, le=20, description="deprecated, no effect: a stage runs once (its requests retry transient I/O, "
+                                    "the whole run retries: retries); accepted so command lines keep working")
     stage_retry_delay_s: float = Field(
-        1.0, ge=0, le=3600, description="longest wait before the first stage retry (jittered), times 4 for each "
-                                        "next one")
+        1.0, ge=0, le=3600, description="deprecated, no effect (see stage_retries)")
     trusted_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Ed25519 public key whose signature this node accepts on catalog records: a key file's path, "
@@ -197,7 +196,7 @@ class RefitParams(BaseSettings):
         return value
 
     def stage_retry_policy(self) -> RetryPolicy:
-        """Retries of a read-only stage, inside the stage (its state and timing stay one task run)."""
+        """Unused: stages no longer retry themselves (``storage/retry.py``); kept for callers of the old API."""
         return RetryPolicy(self.stage_retries + 1, self.stage_retry_delay_s, 4.0, jitter=0.5)
 
     def run_retry_policy(self) -> RetryPolicy:
@@ -277,10 +276,9 @@ class PublishParams(BaseSettings):
                          description="retries of the upload and record write after a transient failure")
     retry_delay_s: float = Field(10.0, ge=0, le=3600,
                                  description="wait before the first publication retry, doubled for each next one")
-    stage_retries: int = Field(2, ge=0, le=20, description="retries of the upload stage after a transient failure, "
-                                                           "inside the stage")
-    stage_retry_delay_s: float = Field(1.0, ge=0, le=3600, description="wait before the first upload retry, times "
-                                                                       "4 for each next one")
+    stage_retries: int = Field(2, ge=0, le=20, description="deprecated, no effect: the upload stage runs once (its "
+                                                           "requests retry, the whole publication retries: retries)")
+    stage_retry_delay_s: float = Field(1.0, ge=0, le=3600, description="deprecated, no effect (see stage_retries)")
     rank: int | None = Field(None, ge=0, description="this trainer rank's index, when several ranks publish one "
                                                       "revision together (with --world-size and --publication)")
     world_size: int | None = Field(None, ge=1, le=65536, description="how many ranks publish the revision "
@@ -298,7 +296,7 @@ class PublishParams(BaseSettings):
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
 
     def stage_retry_policy(self) -> RetryPolicy:
-        """Retries of the upload stage, inside the stage."""
+        """Unused: stages no longer retry themselves (``storage/retry.py``); kept for callers of the old API."""
         return RetryPolicy(self.stage_retries + 1, self.stage_retry_delay_s, 4.0)
 
     def publication_retry_policy(self) -> RetryPolicy:
