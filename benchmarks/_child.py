@@ -105,13 +105,17 @@ def _data_plane_s(stages: list[dict]) -> float | None:
 
 def _refit_run(mode: str, params, target: str, metered, sampler) -> dict:
     from flows.refit import refit, run_refit
-    from flows.report import result_of
+    from flows.report import result_of, watching
 
     from storage.store.flush import wait_for_flushes
 
     metered.origin = time.perf_counter()
     before = counters()
-    result = result_of(refit(params, return_state=True)) if mode == "flow" else run_refit(params)
+    if mode == "flow":
+        with watching() as watch:
+            result = result_of(refit(params, return_state=True), watch)
+    else:
+        result = run_refit(params)
     if result.status != "READY" or result.version != target:
         raise SystemExit(f"{mode} refit to {target} ended {result.status}: {result.error}")
     totals = delta(counters(), before)

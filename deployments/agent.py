@@ -71,6 +71,7 @@ from deployments.agent_head import HeadCheck, _only_if_newer, _target  # noqa: F
 from deployments.agent_runs import RunExecution
 from deployments.orphans import agent_identity, crash_orphans, ensure_zombie_automation
 from storage.cancel import StopToken, current_stop
+from storage.format.status import DRIFTED
 
 log = logging.getLogger("canonical_refit.agent")
 
@@ -194,7 +195,7 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
             try:
                 record = self.heartbeat(self._busy.is_set())
                 self.stats.heartbeats += 1
-                if record is not None and record.condition() == "DRIFTED" and not self._busy.is_set():
+                if record is not None and record.condition() == DRIFTED and not self._busy.is_set():
                     log.warning("node heartbeat: the engines do not run the installed %s (%s): refitting to heal",
                                 record.store_version, record.engines)
                     self._heal.set()

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from flows.fleet import FleetView, VersionFailed, WaitOutcome, fleet_status, forget, wait_for
-from flows.report import READY, SKIPPED, RefitResult
+from flows.report import RefitResult
+from storage.format.status import SUCCEEDED, Status
 from storage.catalog.records import Revision
 from storage.errors import RefitError
 from storage.store.local_store import LocalStore
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from flows.publish import PendingPublish, PublishResult
 
 __all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "forget", "FleetView", "WaitOutcome", "RefitResult",
-           "Revision", "VersionFailed"]
+           "Revision", "Status", "VersionFailed"]
 
 
 def _nested(values: dict, name: str, model: type, given) -> None:
@@ -138,11 +139,12 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
     ``installer`` is an ``InstallerSettings`` (or its dict), or an installer
     object of your own (anything with ``name``, ``install`` and ``is_current``).
     With ``check`` (the default), a run that did not end READY or SKIPPED
-    raises its typed error, the result attached as ``error.result``.
+    raises its typed error, the result attached as ``error.result``. ``status``
+    is a ``Status`` (a ``StrEnum``: it equals the string ``"READY"``, ...).
     """
     from flows.refit import refit as refit_flow
     from flows.refit import run_refit
-    from flows.report import result_of
+    from flows.report import result_of, watching
     from flows.prefect_adapter import in_flow_run
 
     values: dict = dict(catalog=catalog, model=model, target=target, cache_dir=cache_dir,
@@ -160,14 +162,15 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
 
         from flows.run_labels import node_tag
 
-        with tags(node_tag(params.node)):  # labelled with its node, as the agent's runs are
-            result = result_of(refit_flow(params, return_state=True))  # a subflow of the caller's flow run
+        with tags(node_tag(params.node)), watching() as watch:  # labelled with its node, as the agent's runs are
+            state = refit_flow(params, return_state=True)  # a subflow of the caller's flow run
+        result = result_of(state, watch)
     else:
         from storage.cancel import signals_stop_the_run
 
         with signals_stop_the_run():  # a Ctrl-C (a notebook's interrupt) stops this refit only
             result = run_refit(params, installer=engine)
-    if check and result.status not in (READY, SKIPPED):
+    if check and result.status not in SUCCEEDED:
         error = result.exception if isinstance(result.exception, RefitError) else RefitError(
             result.error or result.status)
         error.result = result

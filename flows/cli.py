@@ -14,7 +14,7 @@ import os
 import sys
 
 from flows.options import Flag, add_flags, build, given
-from flows.report import FAILED, INTERRUPTED, RefitResult, print_result, quiet_expected_errors, result_of
+from flows.report import FAILED, INTERRUPTED, READY, RefitResult, print_result, quiet_expected_errors, result_of
 
 _COMMANDS = ("status", "recover", "activate")
 EXIT_CODES_HELP = "Exit codes: 0 ready or skipped, 1 failed, 2 usage, 3 poisoned, 130 interrupted."
@@ -132,10 +132,9 @@ def run_cli_refit(params) -> RefitResult:
 
     from flows.prefect_api import prefect_api
     from flows.refit import refit
-    from flows.report import forget_last, last_result
+    from flows.report import watching
     from storage.cancel import signals_stop_the_run
 
-    forget_last()
     outcome: dict = {}
     finished = threading.Event()
 
@@ -146,20 +145,20 @@ def run_cli_refit(params) -> RefitResult:
 
         try:
             with tags(node_tag(params.node)):  # a one-off run is labelled with its node, as the agent's are
-                outcome["result"] = result_of(refit(params, return_state=True))
+                outcome["state"] = refit(params, return_state=True)
         except BaseException as exc:  # reported below from what the run itself recorded
             outcome["error"] = exc
         finally:
             finished.set()
 
     with signals_stop_the_run():
-        with prefect_api() as api:
-            context = contextvars.copy_context()  # the flow thread sees this API's settings
+        with prefect_api() as api, watching() as watch:
+            context = contextvars.copy_context()  # the flow thread sees this API's settings, and the watch
             thread = threading.Thread(target=context.run, args=(body,), name="refit-flow", daemon=True)
             thread.start()
             ended_at = None
             while not finished.wait(0.1):
-                if last_result() is None:
+                if watch.outcome is None:
                     continue
                 ended_at = ended_at or time.monotonic()
                 if time.monotonic() - ended_at > REPORT_GRACE_S:
@@ -169,11 +168,10 @@ def run_cli_refit(params) -> RefitResult:
                         "the refit ended but Prefect could not record its final state within %.0fs; "
                         "reporting the outcome without it", REPORT_GRACE_S)
                     break
-    done = last_result()
-    if "result" in outcome and (done is None or outcome["result"].status == done.status):
-        return outcome["result"]
-    if done is not None:
-        return done
+    if watch.outcome is not None:  # the run's own outcome, whatever Prefect made of it
+        return watch.outcome
+    if "state" in outcome:
+        return result_of(outcome["state"])
     exc = outcome.get("error")
     status = INTERRUPTED if isinstance(exc, KeyboardInterrupt) else FAILED
     return RefitResult(status, None, None, None, None, error=f"{type(exc).__name__}: {exc}" if exc else status,
@@ -195,7 +193,14 @@ def _status(args) -> int:
         print(f"no store for {params.model} under {params.cache_dir}: nothing was refitted there yet "
               "(check --model and --cache-dir)", file=sys.stderr)
         return 1
-    print(json.dumps(store.describe(), indent=None if args.json else 2, sort_keys=True, default=str))
+    from storage.errors import RefitError
+
+    try:
+        described = store.describe()
+    except RefitError as exc:  # a state file that is not what it should be: named, with what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(described, indent=None if args.json else 2, sort_keys=True, default=str))
     return 0
 
 
@@ -206,7 +211,7 @@ def _recover(args) -> int:
     result = run_recover(build(RecoverParams, given(args, RECOVER_FLAGS)))
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True))
-    elif result.status == "READY":
+    elif result.status == READY:
         for repair in result.repairs:
             print(f"repaired: {repair}")
         print(f"recover: {result.detail}")
@@ -228,7 +233,7 @@ def _activate(args) -> int:
     except RefitError as exc:
         print(json.dumps({"status": FAILED, "error": str(exc)}) if args.json else f"FAILED: {exc}")
         return 1
-    outcome = {"status": "READY", "version": identity.version, "detail": "activated"}
+    outcome = {"status": READY, "version": identity.version, "detail": "activated"}
     print(json.dumps(outcome, sort_keys=True) if args.json else f"activate: {identity.version} is active")
     return 0
 

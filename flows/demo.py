@@ -30,7 +30,7 @@ def run_demo() -> int:
     """Publish the next demo revision(s), refit to latest, print the stage table and identity."""
     from flows.publish import publish
     from flows.refit import refit
-    from flows.report import print_result, result_of
+    from flows.report import READY, print_result, result_of, watching
     from storage.urls import normalize_url
     from storage.settings import InstallerSettings, PublishParams, RefitParams
 
@@ -71,11 +71,13 @@ def run_demo() -> int:
         publish_step(step + 1, "delta", train_step(tensors, seed=step + 1))
     params = RefitParams(catalog=catalog, model=MODEL, seed_checkpoint=str(root / "launch"),
                          cache_dir=root / "cache", installer=InstallerSettings(kind="none"))
-    result = result_of(refit(params, return_state=True))
+    with watching() as watch:
+        state = refit(params, return_state=True)
+    result = result_of(state, watch)
     print_result(result)
     print(f"store: {root / 'cache'}  (inspect with: python -m flows.refit status --cache-dir "
           f"{root / 'cache'} --model {MODEL})")
-    return 0 if result.status == "READY" else 1
+    return 0 if result.status == READY else 1
 
 
 def _load(index) -> dict:

@@ -45,7 +45,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from flows.options import Flag, add_flags, build, given
 from storage.catalog.records import Catalog
 from storage.errors import RefitError
-from storage.catalog.nodes import DRIFTED, STALE, NodeRecord, delete_node_record, read_node_records, scan_node_records
+from storage.catalog.nodes import NodeRecord, delete_node_record, read_node_records, scan_node_records
+from storage.format.status import DRIFTED, FAILED, POISONED, STALE
 from storage.objects.store import ObjectStore
 from storage.settings import MODEL_PATTERN, VERSION_PATTERN, ObjectStoreSettings
 
@@ -280,7 +281,7 @@ def _places(revisions: Catalog, objects: ObjectStore, catalog: str, model: str, 
             (places.unreadable if name in unreadable else places.unseen).append(name)
             continue
         condition = record.condition(all_seen_within_s)
-        if condition == "POISONED":
+        if condition == POISONED:
             places.poisoned.append(name)
         elif condition == STALE:
             places.stale.append(name)
@@ -288,7 +289,7 @@ def _places(revisions: Catalog, objects: ObjectStore, catalog: str, model: str, 
             places.drifted.append(name)
         elif at_or_above(record.version):
             places.reached.append(name)
-        elif record.status == "FAILED" and not record.transient and at_or_above(record.attempted):
+        elif record.status == FAILED and not record.transient and at_or_above(record.attempted):
             places.failed.append(name)
             places.failures[name] = {"version": record.attempted, "status": record.status, "error": record.error}
         else:

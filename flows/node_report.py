@@ -19,9 +19,10 @@ from dataclasses import replace
 
 from flows.prefect_adapter import can_emit_events
 from flows.outcome import retryable_run
-from flows.report import READY, SKIPPED, RefitResult
-from storage.catalog.nodes import DRIFTED, NodeRecord, scan_node_records, write_node_record
+from flows.report import RefitResult
+from storage.catalog.nodes import NodeRecord, scan_node_records, write_node_record
 from storage.errors import RefitError, StorageError
+from storage.format.status import DRIFTED, FAILED, POISONED, READY, STARTED, SUCCEEDED
 from storage.objects.store import ObjectStore
 from storage.settings import RefitParams
 from storage.store.local_store import ActiveIdentity, LocalStore
@@ -52,7 +53,7 @@ def observed(params: RefitParams, installer) -> dict:
     agreed = active is not None and reports is not None and confirmed(reports, active.version)
     return {"version": active.version if agreed else None, "digest": active.digest if agreed else None,
             "store_version": active.version if active else None,
-            "engines": {r.url: r.version for r in reports or ()},
+            "engines": {r.url: None if r.version is None else str(r.version) for r in reports or ()},  # as said
             "launch_files": active.launch_files if active else None}
 
 
@@ -64,7 +65,7 @@ def report_node(params: RefitParams, result: RefitResult, installer) -> NodeReco
     """
     seen = observed(params, installer)
     status = result.status
-    if status in (READY, SKIPPED) and seen["store_version"] is not None and seen["version"] is None:
+    if status in SUCCEEDED and seen["store_version"] is not None and seen["version"] is None:
         status = DRIFTED  # the run ended well, but an engine does not run what the store installed
     now = int(time.time() * 1000)
     record = NodeRecord(node=params.node, model=params.model, status=status, target=params.target,
@@ -125,7 +126,7 @@ def _refresh(params: RefitParams, installer, busy: bool) -> tuple[NodeRecord, st
     previous = next((r for r in scan.records if r.node == params.node), None)
     now = int(time.time() * 1000)
     if previous is None:
-        previous = NodeRecord(node=params.node, model=params.model, version=None, digest=None, status="STARTED",
+        previous = NodeRecord(node=params.node, model=params.model, version=None, digest=None, status=STARTED,
                               updated_at_unix_ms=now)
     record = replace(previous, alive_at_unix_ms=now, heartbeat_s=heartbeat_interval_s)
     # busy or not, the engines are asked: a run may sit in bookkeeping (or in API retries) long after its record
@@ -223,9 +224,9 @@ class HeadWatch:
         scan = scan_node_records(ObjectStore.shared(self.params.storage), self.params.catalog, self.params.model,
                                  only=self.params.node)
         record = next((r for r in scan.records if r.node == self.params.node), None)
-        if record is not None and record.status == "POISONED":
+        if record is not None and record.status == POISONED:
             return None
-        if record is not None and record.status == "FAILED":
+        if record is not None and record.status == FAILED:
             failed = self.sequence_of(record.attempted)
             if not record.transient and failed is not None and failed >= sequence:
                 return None  # this version was refused for good: a new publication or an operator moves it on

@@ -1,4 +1,5 @@
-"""How a refit ended: its status, its final Prefect state, whether it is retried, and what to run next.
+"""How a refit ended: its outcome (built once, ``settle``), its final Prefect state, whether it is retried, and
+what to run next.
 
 Every command a result prints as ``next:`` is built here and works as
 printed: the command first, then why in parentheses. A refit command names
@@ -14,22 +15,44 @@ from __future__ import annotations
 
 import shlex
 
-from prefect.states import Cancelled, Completed, Failed, State
+from typing import TYPE_CHECKING
 
-from flows.report import FAILED, INTERRUPTED, POISONED, READY, SKIPPED, RefitResult
+from flows.report import (
+    FAILED, INTERRUPTED, POISONED, READY, SKIPPED, Attempt, RefitResult, Status, build_result, current_watch,
+    watch_next_run,
+)
 from storage.errors import Interrupted, RefitError
 from storage.retry import transient
 from storage.settings import RefitParams
 from tasks.install import recover_command
 from tasks.receiver import Receiver
 
+if TYPE_CHECKING:  # Prefect is imported by final_state only: the outcome is built without it
+    from prefect.states import State
 
-def retryable_run(result: RefitResult) -> bool:
-    """A failed run is retried only for a transient error (never poisoned, interrupted or bad input)."""
+
+def retryable_run(result: RefitResult | Attempt) -> bool:
+    """A failed run (or attempt) is retried only for a transient error (never poisoned, interrupted or bad
+    input)."""
     return result.status == FAILED and transient(result.exception, rolled_back=True)
 
 
-def outcome_of(rx: Receiver, error: BaseException) -> str:
+def settle(params: RefitParams, attempts: list[Attempt], *, interrupted: bool = False) -> RefitResult:
+    """The run's outcome, built once after its last attempt from that attempt's receiver and the store's records.
+
+    ``interrupted``: the run was stopped while it waited to try again (the
+    last attempt's error is kept, the status is ``INTERRUPTED``). Earlier
+    attempts are listed, and each failed one noted, before the last one's notes.
+    """
+    last = attempts[-1]
+    status = INTERRUPTED if interrupted else last.status
+    return build_result(
+        last.rx, status, last.exception, activated=params.activate and status == READY, target=params.target,
+        next_step=next_step(last.rx, status, last.exception), attempts=[a.row() for a in attempts],
+        notes_before=[f"attempt {a.number} failed ({a.row()['error']}); retried the whole run" for a in attempts[:-1]])
+
+
+def outcome_of(rx: Receiver, error: BaseException) -> Status:
     """The status a failed run ends in."""
     try:
         poisoned = rx.store.exists and rx.store.poisoned() is not None
@@ -42,7 +65,7 @@ def outcome_of(rx: Receiver, error: BaseException) -> str:
     return FAILED
 
 
-def next_step(rx: Receiver, status: str, error: BaseException | None) -> str | None:
+def next_step(rx: Receiver, status: Status, error: BaseException | None) -> str | None:
     """What the operator does next, as a command that works as printed (then why, in parentheses)."""
     params = rx.params
     if status == POISONED:
@@ -128,32 +151,31 @@ def _default(params, path: str):
 
 
 def final_state(result: RefitResult) -> State:
-    """The flow run's final state: Ready, Skipped, Failed, Poisoned or Interrupted, carrying the result."""
+    """The flow run's final state: Ready or Skipped carrying the outcome; Failed, Poisoned or Interrupted
+    carrying the run's own typed error (a plain call of the flow raises it; the outcome itself reaches the
+    caller through its watch, ``flows.report.watching``)."""
+    from prefect.states import Cancelled, Completed, Failed
+
     if result.status == READY:
         return Completed(name="Ready", message=f"{result.version} {result.target_digest}", data=result)
     if result.status == SKIPPED:
         return Completed(name="Skipped", message=result.notes[-1] if result.notes else "", data=result)
+    error = result.exception
     if result.status == INTERRUPTED:
-        return Cancelled(name="Interrupted", message=result.error or "interrupted", data=_carrier(result))
+        error = error if isinstance(error, Interrupted) else Interrupted(result.error or "interrupted")
+        return Cancelled(name="Interrupted", message=result.error or "interrupted", data=error)
+    if not isinstance(error, Exception):
+        error = RefitError(result.error or result.status)
     return Failed(name="Poisoned" if result.status == POISONED else "Failed", message=result.error or "",
-                  data=_carrier(result))
-
-
-def _carrier(result: RefitResult) -> RefitError:
-    """Failed states carry an exception (a plain call of the flow raises it), with the result attached."""
-    error = RefitError(result.error or result.status)
-    error.result = result
-    return error
+                  data=error)
 
 
 def last_refit_outcome(reset: bool = False) -> State | None:
-    """The final state this process's last refit reached, or None; ``reset`` forgets it (before a run). What a
-    node agent gives a run that the server kept ``Cancelling`` because it ended before its cancellation
-    reached it."""
-    from flows.report import forget_last, last_result
-
+    """The final state the last refit started in this context reached, or None; ``reset`` (before each run)
+    opens a watch for the next one. What a node agent gives a run that the server kept ``Cancelling`` because
+    it ended before its cancellation reached it."""
     if reset:
-        forget_last()
+        watch_next_run()
         return None
-    result = last_result()
-    return final_state(result) if result is not None else None
+    watch = current_watch()
+    return final_state(watch.outcome) if watch is not None and watch.outcome is not None else None

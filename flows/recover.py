@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from storage.errors import InstallError, StoreError
+from storage.format.status import FAILED, POISONED, READY, Status
 from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, RecoverParams
 from tasks.installers import make_installer
@@ -23,7 +24,7 @@ from tasks.installers import make_installer
 class RecoverResult:
     """What a recovery did, as ``recover --json`` prints it."""
 
-    status: str  # READY, FAILED or POISONED
+    status: Status  # READY, FAILED or POISONED
     version: str | None
     installer: str | None = None
     detail: str = ""
@@ -35,7 +36,7 @@ class RecoverResult:
 
     @property
     def exit_code(self) -> int:
-        return {"READY": 0, "POISONED": 3}.get(self.status, 1)
+        return {READY: 0, POISONED: 3}.get(self.status, 1)
 
 
 def choose_installer(mark, params: RecoverParams, installer=None):
@@ -68,7 +69,7 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
     """Repair the store; if poisoned, re-install and activate a verified checkpoint, then clear the mark."""
     store = LocalStore(params.cache_dir, params.model, create=False)
     if not store.exists:
-        return RecoverResult("FAILED", None, error=f"no store for {params.model} under {params.cache_dir}: "
+        return RecoverResult(FAILED, None, error=f"no store for {params.model} under {params.cache_dir}: "
                              "check --model and --cache-dir")
     try:
         with store.exclusive(params.lock_timeout_s, "recovery") as lock:
@@ -77,7 +78,7 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
             if mark is None:
                 current = store.current()
                 return RecoverResult(
-                    "READY", active.version if active else None, active.installer if active else None,
+                    READY, active.version if active else None, active.installer if active else None,
                     detail=(f"not poisoned: nothing to re-install; installed {active.version if active else 'none'}, "
                             f"prepared {current.version if current else 'none'}"), repairs=repairs)
             from tasks.install import install_checkpoint  # a re-install: the stages, only when there is one to do
@@ -96,8 +97,8 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
             store.activate(record.version, receipt.installer)
     except (InstallError, StoreError) as exc:
         poisoned = store.poisoned() is not None
-        return RecoverResult("POISONED" if poisoned else "FAILED", None, error=str(exc))
-    return RecoverResult("READY", record.version, receipt.installer,
+        return RecoverResult(POISONED if poisoned else FAILED, None, error=str(exc))
+    return RecoverResult(READY, record.version, receipt.installer,
                          detail=f"re-installed {record.version} through {receipt.installer} and cleared the "
                                 f"poisoned mark ({receipt.detail})", repairs=repairs)
 
@@ -105,7 +106,7 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
 def _recover(params: RecoverParams) -> dict:
     """Re-install a poisoned node's last verified checkpoint through its recorded installer."""
     result = run_recover(params)
-    if result.status != "READY":
+    if result.status != READY:
         raise InstallError(result.error or result.status)
     return result.to_json()
 

@@ -23,9 +23,7 @@ from typing import Iterator
 from prefect import flow
 from prefect.states import State
 
-from flows.report import (
-    INTERRUPTED, READY, SKIPPED, PrefectReporter, RefitResult, build_result, remember,
-)
+from flows.report import READY, SKIPPED, Attempt, PrefectReporter, RefitResult, current_watch
 from storage.cancel import StopToken, current_stop, signals_stop_the_run
 from storage.errors import Interrupted
 from storage.store.flush import flush_in_background
@@ -46,7 +44,7 @@ from tasks.seed_checkpoint import SEED_CHECKPOINT
 from tasks.verify_digest import VERIFY_DIGEST
 from flows.prefect_adapter import flow_run_reporting, unpersisted_results
 from flows.node_report import report_node
-from flows.outcome import final_state, next_step, next_step_after_interrupt, outcome_of, retryable_run
+from flows.outcome import final_state, outcome_of, retryable_run, settle
 from flows.run_labels import log_outcome, refit_run_name
 
 log = logging.getLogger("canonical_refit.refit")
@@ -142,44 +140,57 @@ def run_refit(params: RefitParams, *, installer=None, reporter: PrefectReporter 
     recovers the store as any run does. Poison, an interrupt and permanent
     errors (bad input, wrong base, a missing object) are never retried.
     ``installer`` defaults to the one ``params.installer`` names. A
-    ``KeyboardInterrupt`` (a second Ctrl-C) is reported too, then re-raised.
+    ``KeyboardInterrupt`` (a second Ctrl-C) reaches the caller's watch, then is re-raised.
+    The outcome is built once, after the last attempt (``flows.outcome.settle``), and handed to its sinks
+    (``deliver``).
     """
     installer = installer or make_installer(params.installer)
     stop = stop or current_stop.get()
     waiting = stop.child()
-    attempts: list[dict] = []
+    attempts: list[Attempt] = []
     policy = params.run_retry_policy()
+    interrupted = False
     try:
-        for attempt in range(1, policy.attempts + 1):
-            started = time.monotonic()
-            result = run_attempt(params, installer, reporter, stop, attempt)
-            attempts.append({"attempt": attempt, "status": result.status, "error": result.error,
-                             "seconds": round(time.monotonic() - started, 3)})
-            if not retryable_run(result) or attempt >= policy.attempts:
+        for number in range(1, policy.attempts + 1):
+            attempts.append(last := run_attempt(params, installer, reporter, stop, number))
+            if isinstance(last.exception, KeyboardInterrupt) or not retryable_run(last) or number >= policy.attempts:
                 break
-            delay = policy.delay(attempt)
+            delay = policy.delay(number)
             log.warning("refit of %s to %s failed on a transient error (attempt %d of %d); retrying the whole run "
-                        "in %.0fs: %s", params.model, params.target, attempt, policy.attempts, delay, result.error)
+                        "in %.0fs: %s", params.model, params.target, number, policy.attempts, delay, last.exception)
             if waiting.wait(delay):
-                result.status, result.next_step = INTERRUPTED, next_step_after_interrupt(params)
+                interrupted = True
                 break
     finally:
         waiting.close()
-    result.attempts = attempts
-    result.notes = [f"attempt {a['attempt']} failed ({a['error']}); retried the whole run"
-                    for a in attempts[:-1]] + result.notes
-    report_node(params, result, installer)
-    remember(result)
-    if reporter is not None:
-        reporter.publish_result(result)
+    result = settle(params, attempts, interrupted=interrupted)
+    deliver(params, result, attempts[-1].rx, installer, reporter)
+    if isinstance(result.exception, KeyboardInterrupt):
+        raise result.exception
     return result
 
 
+def deliver(params: RefitParams, result: RefitResult, rx: Receiver, installer,
+            reporter: PrefectReporter | None) -> None:
+    """The outcome's sinks, in one place: the node's record and event, the caller's watch (``flows.report``),
+    the run's artifacts; the flow returns it as its final state (``final_state``). After a second Ctrl-C only
+    the watch hears of it: the process is stopping."""
+    stopping = isinstance(result.exception, KeyboardInterrupt)
+    if not stopping:
+        report_node(params, result, installer)
+    watch = current_watch()
+    if watch is not None:
+        watch.deliver(result)
+    if reporter is not None and not stopping:
+        reporter.publish_result(result, rx)
+
+
 def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None, stop: StopToken | None,
-                attempt: int) -> RefitResult:
+                number: int) -> Attempt:
     """One attempt of the runbook, start to end, with everything it held released."""
+    started = time.monotonic()
     rx = Receiver(params, installer=installer, progress=reporter.progress if reporter else None, stop=stop)
-    rx.attempt = attempt
+    rx.attempt = number
     error: BaseException | None = None
     try:
         status = runbook(rx)
@@ -188,16 +199,7 @@ def run_attempt(params: RefitParams, installer, reporter: PrefectReporter | None
         status = outcome_of(rx, exc)
     finally:
         rx.close()
-    activated = rx.params.activate and status == READY
-    result = build_result(rx, status, error, activated=activated, target=params.target,
-                          next_step=next_step(rx, status, error))
-    result.exception = error
-    if reporter is not None:
-        reporter.publish_attempt(rx, result)
-    if isinstance(error, KeyboardInterrupt):
-        remember(result)
-        raise error
-    return result
+    return Attempt(rx, status, error, number, round(time.monotonic() - started, 3))
 
 
 @flow(name="refit", flow_run_name=refit_run_name, validate_parameters=True,  # "refit NODE: MODEL FROM -> TO"

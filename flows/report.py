@@ -1,23 +1,36 @@
-"""What a refit run leaves behind: its result, a stage table and, when it failed, a summary (Prefect artifacts)."""
+"""What a refit run leaves behind: its outcome (``RefitResult``), a stage table and, when it failed, a summary
+(Prefect artifacts).
+
+A run's outcome is built once, after its last attempt, from the store's own
+records (``flows.outcome.settle``); it is a frozen value. The run hands it
+to its sinks in one place (``flows.refit.run_refit``): the node's record and
+event, the caller's ``OutcomeWatch``, the artifacts; the flow returns it as
+its final Prefect state. A caller that starts a refit reads the returned
+outcome, or (for a flow it starts) the watch it opened with ``watching()``.
+"""
 
 from __future__ import annotations
 
 import contextvars
+import copy
 import logging
 import re
 import threading
 import time
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Iterator
 
 from storage.errors import RefitError, StoreError
+from storage.format.status import FAILED, INTERRUPTED, POISONED, READY, SKIPPED, SUCCEEDED, Status
 
 if TYPE_CHECKING:  # annotations only: a command that runs no flow (status, --help) never loads the stages
     from tasks.receiver import Receiver
 
 log = logging.getLogger("canonical_refit.report")
 
-READY, FAILED, POISONED, SKIPPED, INTERRUPTED = "READY", "FAILED", "POISONED", "SKIPPED", "INTERRUPTED"
+__all__ = ["READY", "FAILED", "POISONED", "SKIPPED", "INTERRUPTED", "Status", "RefitResult", "Attempt",
+           "OutcomeWatch", "watching", "current_watch", "build_result", "result_of", "print_result"]
 EXIT_CODES = {READY: 0, SKIPPED: 0, FAILED: 1, POISONED: 3, INTERRUPTED: 130}
 EXIT_USAGE = 2
 _PROGRESS_SPANS = {"seed": (0, 5), "seed verify": (5, 10), "fetch": (10, 50), "apply": (50, 90), "verify": (90, 99)}
@@ -29,11 +42,11 @@ def artifact_key(kind: str, model: str) -> str:
     return f"refit-{kind}-{slug}"[:100]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RefitResult:
-    """The outcome of one run, as the CLI prints it with ``--json``."""
+    """The outcome of one run, as the CLI prints it with ``--json``: a frozen value, built once."""
 
-    status: str
+    status: Status
     version: str | None
     target_digest: str | None
     format_digest: str | None
@@ -49,24 +62,42 @@ class RefitResult:
     next_step: str | None = None
     attempts: list[dict] = field(default_factory=list)  # every attempt of the run: status, error, seconds
     rollback_from: str | None = None  # the run was a rollback: the installed version it went back from
-
-    exception = None  # the error object itself, for Python callers (not part of the JSON)
+    # the error object itself, for Python callers (not part of the JSON)
+    exception: BaseException | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {f.name: copy.deepcopy(getattr(self, f.name)) for f in fields(self) if f.name != "exception"}
 
     @property
     def exit_code(self) -> int:
         return EXIT_CODES.get(self.status, 1)
 
 
-def build_result(rx: Receiver, status: str, error: BaseException | None = None, *, activated=False,
-                 target: str | None = None, next_step: str | None = None) -> RefitResult:
+@dataclass(frozen=True)
+class Attempt:
+    """How one attempt of the runbook ended: the receiver it ran with (its stages, notes and store), its status
+    and error, and how long it took. The run's outcome is built from the last one (``flows.outcome.settle``)."""
+
+    rx: Receiver
+    status: Status
+    exception: BaseException | None
+    number: int
+    seconds: float
+
+    def row(self) -> dict:
+        return {"attempt": self.number, "status": self.status,
+                "error": str(self.exception) if self.exception is not None else None, "seconds": self.seconds}
+
+
+def build_result(rx: Receiver, status: Status, error: BaseException | None = None, *, activated=False,
+                 target: str | None = None, next_step: str | None = None, attempts: list[dict] | None = None,
+                 notes_before: list[str] | None = None) -> RefitResult:
     """Result of the run from the store's own records.
 
     ``version`` is what the run leaves behind: on success the installed
     identity (or the prepared one when activation was deferred); otherwise
     ``version`` is None and ``installed_version`` says what still runs.
+    ``notes_before`` (the earlier attempts') come before the receiver's notes.
     """
     active, current = _readable(rx.store.active), _readable(rx.store.current)
     if status == READY and not activated and current is not None:
@@ -82,35 +113,67 @@ def build_result(rx: Receiver, status: str, error: BaseException | None = None, 
         error=str(error) if error is not None else None,
         error_detail=error.to_dict() if isinstance(error, RefitError) else (
             {"type": type(error).__name__, "message": str(error)} if error is not None else None),
-        lineage=list(rx.ledger.lineage), activated=activated, notes=list(rx.ledger.notes),
+        lineage=list(rx.ledger.lineage), activated=activated, notes=list(notes_before or ()) + list(rx.ledger.notes),
         target=target, installed_version=active.version if active is not None else None, next_step=next_step,
-        rollback_from=rx.ledger.rollback_from,
+        attempts=list(attempts or ()), rollback_from=rx.ledger.rollback_from, exception=error,
     )
 
 
-_LAST: list[RefitResult] = []
+class OutcomeWatch:
+    """Where the caller of a refit receives its outcome as soon as the run's own work has ended (its node record
+    written; its artifacts and its Prefect state still to come): one per run, opened with ``watching()``."""
+
+    def __init__(self) -> None:
+        self.outcome: RefitResult | None = None
+        self._delivered = threading.Event()
+
+    def deliver(self, outcome: RefitResult) -> None:
+        self.outcome = outcome
+        self._delivered.set()
+
+    def wait(self, timeout_s: float | None = None) -> RefitResult | None:
+        """The outcome, waiting up to ``timeout_s`` for it; None if the run has not ended."""
+        self._delivered.wait(timeout_s)
+        return self.outcome
 
 
-def remember(result: RefitResult) -> None:
-    """Keep the latest result of this process: a CLI prints it even if reporting to the API failed after."""
-    _LAST[:] = [result]
+_watch: contextvars.ContextVar[OutcomeWatch | None] = contextvars.ContextVar("refit_outcome_watch", default=None)
 
 
-def forget_last() -> None:
-    _LAST.clear()
+@contextmanager
+def watching() -> Iterator[OutcomeWatch]:
+    """A watch for the refit started in this block (in this context, or a thread given a copy of it)."""
+    watch = OutcomeWatch()
+    token = _watch.set(watch)
+    try:
+        yield watch
+    finally:
+        _watch.reset(token)
 
 
-def last_result() -> RefitResult | None:
-    return _LAST[0] if _LAST else None
+def watch_next_run() -> OutcomeWatch:
+    """A watch for the next refit started in the current context, kept until the next call (for a caller that
+    starts its runs in one context, one after the other: the node agent)."""
+    watch = OutcomeWatch()
+    _watch.set(watch)
+    return watch
 
 
-def result_of(state) -> RefitResult:
-    """The RefitResult a final state carries (failed states carry it on their error)."""
+def current_watch() -> OutcomeWatch | None:
+    return _watch.get()
+
+
+def result_of(state, watch: OutcomeWatch | None = None) -> RefitResult:
+    """The RefitResult of a refit flow run: the outcome ``watch`` received, else the one a Ready or Skipped
+    final state carries, else a FAILED result naming the state (a failed state carries the run's error)."""
+    if watch is not None and watch.outcome is not None:
+        return watch.outcome
     value = state.result(raise_on_failure=False)
-    value = getattr(value, "result", value)
     if isinstance(value, RefitResult):
         return value
-    return RefitResult(FAILED, None, None, None, None, error=f"{state.name}: {state.message}")
+    status = INTERRUPTED if state.is_cancelled() else FAILED
+    return RefitResult(status, None, None, None, None, error=f"{state.name}: {state.message}",
+                       exception=value if isinstance(value, BaseException) else None)
 
 
 def print_result(result: RefitResult) -> None:
@@ -121,7 +184,7 @@ def print_result(result: RefitResult) -> None:
         rate = s["bytes"] / s["seconds"] / 1e6 if s["seconds"] else 0.0
         print(f"{s['name']:<16}{s['status']:<8}{s['seconds']:>9.3f}{s['bytes']:>15,}{rate:>9.1f}{s['retries']:>8}")
     print(f"status: {result.status}")
-    if result.status in (READY, SKIPPED):
+    if result.status in SUCCEEDED:
         label = "prepared (not yet active)" if result.status == READY and not result.activated else "version"
         print(f"{label}: {result.version}")
         print(f"target digest: {result.target_digest}")
@@ -244,15 +307,9 @@ class PrefectReporter:
         except Exception as exc:  # artifacts are best effort: never fail a refit over them
             log.debug("progress artifact: %s", exc)
 
-    def publish_attempt(self, rx: Receiver, result: RefitResult) -> None:
-        """Keep the attempt that just ended; the run's artifacts describe the last one."""
-        self._last = rx
-
-    def publish_result(self, result: RefitResult) -> None:
-        rx = getattr(self, "_last", None)
-        if rx is None:
-            return
-        ok = result.status in (READY, SKIPPED)
+    def publish_result(self, result: RefitResult, rx: Receiver) -> None:
+        """The run's artifacts, from its outcome and the receiver of its last attempt (its stage table)."""
+        ok = result.status in SUCCEEDED
         outcome = (f"{result.status} {result.version} {result.target_digest or ''}".strip() if ok
                    else f"{result.status}: {result.error or ''}")
         try:

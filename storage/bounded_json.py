@@ -23,8 +23,11 @@ import os
 import re
 import stat
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cache
+from typing import TypeVar
+
+from pydantic_core import ValidationError
 
 from storage.errors import FormatError, RefitError
 from storage.gc_pause import gc_paused
@@ -34,6 +37,7 @@ ELEMENT_COST = 112  # bytes of Python objects per element, worst shape (measured
 _BOM = b"\xef\xbb\xbf"
 _CHUNK = 1 << 15  # bytes per step of the structure scan: its arrays stay under a megabyte
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,35 @@ def validation_error(exc, error: type[RefitError], *, what: str = "record", **co
     first = exc.errors()[0]
     field = ".".join(str(p) for p in first.get("loc", ())) or None
     return error(f"invalid {what}: {first.get('msg', 'invalid value')}", field=field, **context)
+
+
+def parse_record(cls: type[T], raw, *, error: type[RefitError] = FormatError, hint: str = "", **context) -> T:
+    """``raw`` (a parsed JSON document) as the strict record type ``cls`` (a pydantic dataclass), or ``error``
+    naming the object (``context``: ``file``, ``local_file``...) and the first bad field, ``hint`` (what to do)
+    ending its message. Keys ``cls`` does not know are ignored (a newer writer's fields); fields a record lacks
+    take their defaults (an older writer's)."""
+    if not isinstance(raw, dict):
+        raise error(f"not a {cls.__name__} record: a JSON {_json_type(raw)}, not an object{hint}", **context)
+    names = _field_names(cls)
+    try:
+        return cls(**{key: value for key, value in raw.items() if key in names})
+    except ValidationError as exc:
+        errors = exc.errors()
+        where = [".".join(str(p) for p in e.get("loc", ())) or "record" for e in errors]
+        said = "; ".join(f"{w}: {e.get('msg', 'invalid value')}" for w, e in zip(where[:3], errors))
+        more = f"; and {len(errors) - 3} more" if len(errors) > 3 else ""
+        raise error(f"not a valid {cls.__name__} record ({said}{more}){hint}", field=where[0], **context) from None
+
+
+def load_record(data: bytes | bytearray | memoryview | str, cls: type[T], limits: JsonLimits, *,
+                error: type[RefitError] = FormatError, hint: str = "", **context) -> T:
+    """``load_json`` then ``parse_record``: one strict record read from its bytes."""
+    return parse_record(cls, load_json(data, limits, error=error, **context), error=error, hint=hint, **context)
+
+
+@cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 # -- the structure scan ----------------------------------------------------------------------------------------

@@ -128,13 +128,14 @@ class Lab:
         """Refit (the runbook, or with ``flow`` the Prefect flow); returns (final state, RefitResult)."""
         from flows.outcome import final_state
         from flows.refit import refit, run_refit
-        from flows.report import result_of
+        from flows.report import result_of, watching
 
         if not flow:
             result = run_refit(self.refit_params(**kw))
             return final_state(result), result
-        state = refit(self.refit_params(**kw), return_state=True)
-        return state, result_of(state)
+        with watching() as watch:
+            state = refit(self.refit_params(**kw), return_state=True)
+        return state, result_of(state, watch)
 
     def run(self, installer=None, stop=None, **kw):
         """Run the refit runbook without Prefect (what the flow runs), with any installer; the RefitResult."""

@@ -21,11 +21,15 @@ from __future__ import annotations
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 
-from storage.bounded_json import RECORD, load_json
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass as strict_dataclass
+
+from storage.bounded_json import RECORD, load_record
 from storage.canonical import canonical_json
 from storage.errors import FormatError, RefitError
+from storage.format.status import DRIFTED, POISONED, STALE, NodeStatus, Status
 from storage.objects.store import ObjectStore
 from storage.settings import NODE_PATTERN
 from storage.urls import join_url, parent_url
@@ -34,7 +38,6 @@ SCHEMA = "canonical-refit.node.v1"
 MAX_RECORD_BYTES = 1 * 2**20
 
 
-STALE, DRIFTED = "STALE", "DRIFTED"
 STALE_GRACE_MIN_S = 5.0  # a node with a heartbeat is stale after one beat plus max(this, STALE_GRACE_BEATS beats)
 STALE_GRACE_BEATS = 0.5
 
@@ -45,25 +48,26 @@ def stale_after_s(heartbeat_s: float) -> float:
     return heartbeat_s + max(STALE_GRACE_MIN_S, STALE_GRACE_BEATS * heartbeat_s)
 
 
-@dataclass(frozen=True)
+@strict_dataclass(frozen=True, config=ConfigDict(strict=True, extra="ignore"))
 class NodeRecord:
     """One node's status: what its engines run, what its store installed, how its last refit ended, and when
-    it was last known alive."""
+    it was last known alive. Strict: a field of the wrong JSON type makes the record unreadable, naming the
+    field; keys it does not know are ignored, fields an older writer did not write take their defaults."""
 
     node: str
     model: str
     version: str | None  # the version every engine confirmed running; None if they disagree or before any install
     digest: str | None
-    status: str  # of the last run (READY, SKIPPED, FAILED, POISONED, INTERRUPTED), or DRIFTED from a heartbeat
+    status: NodeStatus  # of the last run (READY, SKIPPED, FAILED, POISONED, INTERRUPTED), DRIFTED or STARTED
     target: str | None = None
     error: str | None = None
-    stages: dict = field(default_factory=dict)  # stage name -> seconds
+    stages: dict[str, float] = field(default_factory=dict)  # stage name -> seconds
     bytes_fetched: int = 0
     attempts: int = 1
     updated_at_unix_ms: int = 0
     launch_files: str | None = None  # digest of the launch snapshot's non-weight files the installed checkpoint holds
     store_version: str | None = None  # what the store records as installed (active.json)
-    engines: dict = field(default_factory=dict)  # engine URL -> the version it reports (None: no answer)
+    engines: dict[str, str | None] = field(default_factory=dict)  # engine URL -> its version (None: no answer)
     alive_at_unix_ms: int = 0  # the last sign of life: a run's end or a heartbeat
     heartbeat_s: float | None = None  # how often the node's agent refreshes the record; None: no agent
     target_version: str | None = None  # the version the last run's target resolved to; None: it never resolved
@@ -96,11 +100,11 @@ class NodeRecord:
             return self.target_version
         return self.target if self.target not in (None, "latest") else None
 
-    def condition(self, stale_after_s: float | None = None) -> str:
+    def condition(self, stale_after_s: float | None = None) -> Status:
         """What a reader acts on: POISONED, STALE (not seen alive), DRIFTED (store and engines disagree), or
         the last run's status."""
-        if self.status == "POISONED":
-            return "POISONED"
+        if self.status == POISONED:
+            return POISONED
         if self.stale(stale_after_s):
             return STALE
         if self.status == DRIFTED or (self.store_version is not None and self.version != self.store_version):
@@ -149,13 +153,11 @@ def scan_node_records(objects: ObjectStore, catalog: str, model: str, *, workers
     a thousand nodes is a thousand small reads, which one at a time would take tens of seconds.
     """
     base = nodes_url(catalog, model)
-    fieldnames = {f.name for f in fields(NodeRecord)}
 
     def read(name: str) -> NodeRecord | Exception:
         url = join_url(base, name)
         try:
-            raw = load_json(objects.read_bytes(url, max_size=MAX_RECORD_BYTES), RECORD, expect=dict, file=url)
-            record = NodeRecord(**{k: v for k, v in raw.items() if k in fieldnames})
+            record = load_record(objects.read_bytes(url, max_size=MAX_RECORD_BYTES), NodeRecord, RECORD, file=url)
             if record.model != model or f"{record.node}.json" != name:
                 raise ValueError("names another node or model")
             return record
