@@ -22,8 +22,10 @@ and checks that each tensor's bytes are in the file (a folder that is not a
 checkpoint is refused with 400, nothing changed). Like every SGLang restart,
 starting it again brings it back on its launch weights (``--model-path``),
 ``weight_version`` "default": that is how a drift is tried. A malformed body
-gets FastAPI's 422. The in-engine loader (``--installer sglang``) needs SGLang
-itself; the stand-in serves ``sglang-disk``.
+gets FastAPI's 422. ``--load-seconds S`` makes each load take S seconds, as a
+real engine's does: killing it meanwhile is how a poisoned node is tried.
+The in-engine loader (``--installer sglang``) needs SGLang itself; the
+stand-in serves ``sglang-disk``.
 
 The tests' engine (``tests/sglang_mock.py``) is this server with real weights
 loaded into a small model and faults to inject.
@@ -38,6 +40,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -54,6 +57,7 @@ class EngineStandIn:
                  api_key: str | None = None, speculative_algorithm: str | None = None, port: int = 0,
                  host: str = "127.0.0.1"):
         self.port, self.host = port, host
+        self.load_s = 0.0  # how long a load takes (a real engine takes seconds to minutes): a kill can land in it
         self.tp_size = tp_size
         self.custom_weight_loader = [] if custom_weight_loader is None else custom_weight_loader
         self.api_key = api_key
@@ -237,6 +241,8 @@ class EngineStandIn:
         model_path, load_format = body["model_path"], body.get("load_format") or self.load_format
         with self._update_lock:
             problem = checkpoint_problem(Path(model_path))
+            if problem is None and self.load_s:
+                time.sleep(self.load_s)  # loading: the weights are being overwritten
             if problem is not None:  # SGLang fails to build its weights iterator: nothing was loaded
                 return 400, {"success": False, "message": f"Failed to get weights iterator: {problem}.",
                              "num_paused_requests": 0}
@@ -284,8 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0: any free port (printed)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY', as SGLang's --api-key")
+    parser.add_argument("--load-seconds", type=float, default=0.0,
+                        help="each update_weights_from_disk takes this long (the engine killed meanwhile leaves "
+                             "the node poisoned: how to try recover)")
     args = parser.parse_args(argv)
-    engine = EngineStandIn(args.model_path, api_key=args.api_key, port=args.port, host=args.host).start()
+    engine = EngineStandIn(args.model_path, api_key=args.api_key, port=args.port, host=args.host)
+    engine.load_s = args.load_seconds
+    engine.start()
     print(f"engine stand-in on {engine.url}, model_path {engine.model_path}, weight_version default", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
