@@ -46,6 +46,18 @@ class Progress:
             self._report(self.label, self.done, self.total)
 
 
+class _StageObjects:
+    """Object storage as the catalog sees it, resolved at each use: counting into the stage that runs in the
+    calling thread, or (a thread of no stage: the catalog's own read pool) into the one stage running, if only
+    one is. Nothing is swapped while two stages run on two threads (fetch beside apply)."""
+
+    def __init__(self, rx: "Receiver"):
+        self._rx = rx
+
+    def __getattr__(self, name: str):
+        return getattr(self._rx.stage_objects(), name)
+
+
 class Receiver:
     """The stores, settings and stop token one refit run works with (no Prefect here)."""
 
@@ -57,7 +69,8 @@ class Receiver:
         self.artifacts = ArtifactCache(self.store)
         self._objects = ObjectStore.shared(params.storage)
         self._stage_view = threading.local()  # fetch and apply run at once: each stage counts its own requests
-        self.catalog = Catalog(self._objects, params.catalog, params.model, cache_dir=self.store.catalog_dir,
+        self._running: list[ObjectStore] = []  # the views of the stages running now
+        self.catalog = Catalog(_StageObjects(self), params.catalog, params.model, cache_dir=self.store.catalog_dir,
                                verify=RecordVerifier.from_settings(params.trusted_keys))
         self.ledger = Ledger(STAGE_ORDER, log=log)
         self.report_progress = progress
@@ -71,6 +84,14 @@ class Receiver:
         """Object storage, counting into the stage that runs in this thread."""
         return getattr(self._stage_view, "objects", None) or self._objects
 
+    def stage_objects(self) -> ObjectStore:
+        """``objects``; from a thread of no stage, the one stage's view while only one stage runs."""
+        own = getattr(self._stage_view, "objects", None)
+        if own is not None:
+            return own
+        running = self._running
+        return running[0] if len(running) == 1 else self._objects
+
     def progress(self, label: str, total: int) -> Progress:
         return Progress(label, total, self.report_progress)
 
@@ -78,8 +99,8 @@ class Receiver:
     def stage(self, name: str) -> Iterator[StageRecord]:
         """Measure one stage: wall time, and the requests, retries and backoff it caused."""
         stats = TransferStats()
-        self._stage_view.objects = self._objects.with_stats(stats)
-        self.catalog.store = self._stage_view.objects
+        view = self._stage_view.objects = self._objects.with_stats(stats)
+        self._running.append(view)
         try:
             with measuring(self.ledger.record(name), self.stop) as record:
                 yield record
@@ -89,7 +110,7 @@ class Receiver:
             record.retries += snap["retries"]
             record.backoff_s += snap["backoff_s"]
             self._stage_view.objects = None
-            self.catalog.store = self._objects
+            self._running.remove(view)
 
     def stage_retry_policy(self):
         return self.params.stage_retry_policy()
