@@ -297,13 +297,14 @@ def api_url() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from flows.bootstrap import bootstrap
+    from flows.bootstrap import bootstrap_command
 
     params, settings, args = parse_args(list(sys.argv[1:] if argv is None else argv))  # --help: no Prefect
     if args.print_params:
         print(json.dumps(refit_parameters(params, target=args.target, only_if_newer=args.target == "latest")))
         return 0
-    bootstrap(log_to_stderr=True)  # environment, logging, then Prefect (checked) and its heartbeat sender
+    if (code := bootstrap_command(log_to_stderr=True)) is not None:  # environment, logging, Prefect (checked)
+        return code
     url = api_url()
     if not url:
         # an ephemeral server lives and dies with this process: no other process's event could reach it

@@ -61,3 +61,16 @@ def bootstrap(*, prefer_local_server: bool = False, log_to_stderr: bool = False,
         from flows.prefect_adapter import start
 
         start()
+
+
+def bootstrap_command(**options) -> int | None:
+    """``bootstrap`` for a command line: None once set up; 1 after one line on stderr saying why not (a Prefect
+    this product does not support: ``UnsupportedPrefect`` names its version and what it lacks)."""
+    from flows.prefect_adapter import UnsupportedPrefect
+
+    try:
+        bootstrap(**options)
+    except UnsupportedPrefect as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return None

@@ -75,11 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_expected_errors()
     if not argv:  # the demo: flow runs, through a Prefect API
-        from flows.bootstrap import bootstrap
+        from flows.bootstrap import bootstrap_command
         from flows.prefect_api import prefect_api
         from flows.demo import run_demo
 
-        bootstrap(prefer_local_server=True)
+        if (code := bootstrap_command(prefer_local_server=True)) is not None:
+            return code
         with prefect_api():
             return run_demo()
     from pydantic import ValidationError
@@ -97,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         params = build_params(args)
     except ValidationError as exc:
         parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
-    from flows.bootstrap import bootstrap
+    from flows.bootstrap import bootstrap_command
 
-    bootstrap(prefer_local_server=True)  # a refit runs a flow; status, recover, activate and --help never get here
+    # a refit runs a flow: set the process up (status, recover, activate and --help never get here)
+    if (code := bootstrap_command(prefer_local_server=True)) is not None:
+        return code
     result = run_cli_refit(params)
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True), flush=True)

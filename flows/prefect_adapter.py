@@ -220,8 +220,14 @@ class PrefectTaskRuns:
         finally:
             if context is not None:
                 stop = getattr(run, "stop", None)
-                report_task_run(self.task_of(stage), stage.run_name(run), context, started, now("UTC"), error,
-                                interrupted=bool(stop is not None and stop.interrupted))
+                try:
+                    task = self.task_of(stage)
+                except Exception as exc:  # never the stage's failure: the UI misses its task run
+                    log.warning("could not report the task run of stage %s to Prefect: %s: %s", stage.name,
+                                type(exc).__name__, exc)
+                else:
+                    report_task_run(task, stage.run_name(run), context, started, now("UTC"), error,
+                                    interrupted=bool(stop is not None and stop.interrupted))
 
 
 def report_task_run(prefect_task, name: str, context, started, ended, error: BaseException | None, *,

@@ -13,13 +13,12 @@ if __name__ == "__main__":  # the CLI: --help, orphans and keygen end here, with
     # a publication sets the process up (which Prefect API, its environment) before Prefect is imported
     import sys
 
-    from flows.bootstrap import bootstrap
+    from flows.bootstrap import bootstrap_command
     from flows.cli import exit_with
     from flows.publish_cli import quick_main
 
-    if (_code := quick_main(sys.argv[1:])) is not None:
+    if (_code := quick_main(sys.argv[1:])) is not None or (_code := bootstrap_command(prefer_local_server=True)):
         exit_with(_code)
-    bootstrap(prefer_local_server=True)
 
 import json
 import logging
