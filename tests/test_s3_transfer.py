@@ -521,4 +521,9 @@ def test_the_transfer_benchmark_runs_end_to_end(tmp_path):
     assert [(r["range_mib"], r["connections"]) for r in result["curve"]] == [(8, 2)]
     assert "goal: every ratio >= 0.8 with default settings" in done.stdout
     assert "goal: a rerun after kill -9 at" in done.stdout
+    real = result["real_server"]  # the same shard on moto behind a cap on each TCP connection, after the model
+    assert real["config"]["size"] == 24 * MIB and real["config"]["server"] == "moto"
+    assert [run["ratio"] > 0 and 0 < run["server_bound"] <= 1 for run in real["runs"]["split"]] == [True]
+    assert "real-server path (moto, each TCP connection capped)" in done.stdout
+    assert "goal: the real-server path >= 0.8:" in done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["transfer.json"]  # the scratch folder is gone

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import tracemalloc
 
 import pytest
 
 from s3_support import s3  # noqa: F401  (s3 is a fixture)
 from storage.objects.store import ObjectStore
-from storage.objects.transfer import SPLIT_MIN, partial_paths
+from storage.objects.transfer import SPLIT_MIN, partial_paths, range_plan
+from storage.settings import ObjectStoreSettings
 from storage.urls import join_url
-from testbed.s3proxy import Faults
+from testbed.s3proxy import Faults, peak_open
 
 MIB = 2**20
 
@@ -100,3 +102,34 @@ def test_a_record_whose_split_ranges_do_not_cover_the_object_once_is_not_trusted
         assert sum(r.sent for r in proxy.requests(_key(url), "GET")) == size  # all of it again
     assert dest.read_bytes() == data
     assert not part.exists() and not record.exists()
+
+
+def test_a_gb_scale_object_is_planned_as_whole_waves_of_ranges_for_every_connection():
+    defaults = ObjectStoreSettings()
+    for size in (3 * 10**9, 2**30, 265 * 10**6):  # a fused expert block of gpt-oss size, 1 GiB, a shard
+        rs = range_plan(size, defaults.range_size, defaults.concurrency)
+        count = -(-size // rs)
+        assert min(defaults.range_size, 8 * MIB) <= rs <= defaults.range_size, (size, rs)
+        assert count >= defaults.concurrency and count % defaults.concurrency == 0, (size, count)
+
+
+def test_one_large_object_is_fetched_over_every_connection_with_memory_bounded_by_them(s3, tmp_path):
+    """Small mode of a GB-scale fused tensor's object: one download keeps the whole connection budget busy
+    (the fetch stage's worker does not serialize it) and holds at most a chunk per connection in memory."""
+    size, rs, connections = 12 * MIB, MIB, 4
+    url, data = _object(s3, "fused.bin", size)
+    with s3.proxy(bandwidth_bps=2e6) as proxy:  # each 1 MiB range takes half a second: they overlap
+        store = ObjectStore(s3.settings(proxy.url, range_size=rs, concurrency=connections))
+        assert store.size(url) == size  # builds the S3 client (botocore's models) before memory is traced
+        dest = tmp_path / "fused.bin"
+        tracemalloc.start()
+        try:
+            assert store.download(url, dest) == size
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        gets = [r for r in proxy.requests(_key(url), "GET") if r.fault is None]
+    assert dest.read_bytes() == data
+    assert len(gets) >= size // rs and all(_span(r)[1] - _span(r)[0] <= rs for r in gets)
+    assert peak_open(gets) == connections  # every connection at once, never more
+    assert peak < connections * rs, f"download held {peak:,} bytes at once for a {size:,}-byte object"
