@@ -138,3 +138,56 @@ def test_the_publish_flow_records_what_it_published(flow_lab, kind):
     assert result.target_digest == independent_digest(lab.expected(result.version))[1]
     assert [s["name"] for s in result.stages] == ["plan revision", "encode payload", "upload payload", "write record"]
     assert all(s["status"] == "ok" for s in result.stages) and result.stages[2]["bytes"] == result.bytes_written
+
+
+def test_a_failed_flow_raises_the_runs_own_typed_error_and_its_caller_reads_the_outcome(flow_lab):
+    """A failed run's final state carries the run's own typed error (a plain call of the flow raises it, naming
+    the revision), not a stand-in carrying the result; the caller reads the whole outcome from its watch."""
+    from flows.refit import refit
+    from flows.report import watching
+    from storage.errors import FormatError
+
+    lab = flow_lab
+    lab.publish("initial")
+    lab.publish("delta")
+    bucket = next((lab.root / "revisions" / "r1").glob("bucket-*.safetensors"))
+    raw = bytearray(bucket.read_bytes())
+    raw[-1] ^= 0xFF
+    bucket.write_bytes(bytes(raw))
+    with watching() as watch, pytest.raises(FormatError) as caught:
+        refit(lab.refit_params())
+    error = caught.value
+    assert error.revision == "r1" and not hasattr(error, "result")
+    outcome = watch.outcome
+    assert outcome.status == "FAILED" and outcome.exception is error and outcome.installed_version is None
+    assert "apply deltas" in [s["name"] for s in outcome.stages] and outcome.next_step
+    with pytest.raises(AttributeError):  # the outcome is a frozen value
+        outcome.status = "READY"
+
+
+def test_two_refits_in_one_process_each_read_their_own_outcome(flow_lab):
+    """Two flow runs at once on two threads of one process (two stores): each caller's watch holds its own run's
+    outcome, never the other's."""
+    import threading
+
+    from flows.refit import refit
+    from flows.report import result_of, watching
+
+    lab = flow_lab
+    lab.publish("initial")
+    lab.publish("delta")
+    outcomes: dict = {}
+
+    def run(target: str) -> None:
+        with watching() as watch:
+            state = refit(lab.refit_params(cache_dir=lab.root / f"cache-{target}", target=target), return_state=True)
+        outcomes[target] = (watch.outcome, result_of(state, watch))
+
+    threads = [threading.Thread(target=run, args=(target,)) for target in ("r0", "r1")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert sorted(outcomes) == ["r0", "r1"]
+    for target, (watched, read) in outcomes.items():
+        assert watched is read and watched.status == "READY" and watched.version == target, (target, watched)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from lab import ROOT_DIR
@@ -89,6 +90,19 @@ def test_publish_and_refit_from_inside_a_flow_run(prefect_api, tmp_path):
     weights["a.weight"] += 1
     assert rl_step("delta") == ("r1", "r1")
     assert api.status(model="me/flow", cache_dir=tmp_path / "cache")["active"]["version"] == "r1"
+
+    @flow(name="rl-step-too-far")
+    def too_far() -> None:
+        api.refit(cache_dir=tmp_path / "cache", seed_checkpoint=launch, installer={"kind": "none"}, node="node-0",
+                  target="r9", **common)
+
+    from storage.errors import CatalogError
+
+    with pytest.raises(CatalogError) as caught:  # a failed refit inside a flow run: its typed error, result attached
+        too_far()
+    result = caught.value.result
+    assert result.status == "FAILED" and result.exception is caught.value and result.installed_version == "r1"
+    assert result.stages and result.stages[0]["name"] == "resolve catalog" and "r9" in result.error
 
 
 def test_the_documented_install_provides_the_torch_the_example_imports():
