@@ -225,7 +225,8 @@ class _SortedStream:
             if not self._checked and int(raw[-1]) >= self.nbytes:
                 raise _outside(self.encoding, int(raw[-1]), self.nbytes, self.context)
             self._previous = int(raw[-1])
-            pos = raw.astype(np.int64)
+            # u64 positions below the tensor's size (just checked, or validated) are int64 as they are: no copy
+            pos = raw.view(np.int64) if raw.dtype == np.uint64 else raw.astype(np.int64)
             if self._strict:
                 return pos, val
             if self._carry is not None:  # overwrite: a position may repeat across chunks

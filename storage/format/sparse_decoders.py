@@ -85,7 +85,7 @@ class _SparseDecoder:
             pos, val = parts[0]
         else:
             pos, val = np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts])
-        return pos - offset, val
+        return (pos - offset if offset else pos), val
 
     def apply(self, block: np.ndarray, offset: int) -> None:
         change = self.changes(offset, block.size)
