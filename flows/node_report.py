@@ -16,11 +16,12 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from typing import NamedTuple
 
 from flows.prefect_adapter import can_emit_events
 from flows.outcome import retryable_run
 from flows.report import RefitResult
-from storage.catalog.nodes import NodeRecord, scan_node_records, write_node_record
+from storage.catalog.nodes import NodeRecord, failure_kind, scan_node_records, write_node_record
 from storage.errors import RefitError, StorageError
 from storage.format.status import DRIFTED, FAILED, POISONED, READY, STARTED, SUCCEEDED
 from storage.objects.store import ObjectStore
@@ -40,6 +41,18 @@ def _installed(params: RefitParams) -> ActiveIdentity | None:
         return store.active() if store.exists else None
     except RefitError:
         return None
+
+
+def _store_poisoned(params: RefitParams) -> bool:
+    """The node's store carries a poisoned mark (one that cannot be read counts, as it does for a run)."""
+    try:
+        store = LocalStore(params.cache_dir, params.model, create=False)
+    except RefitError:
+        return False
+    try:
+        return store.exists and store.poisoned() is not None
+    except RefitError:
+        return True
 
 
 def observed(params: RefitParams, installer) -> dict:
@@ -73,11 +86,20 @@ def report_node(params: RefitParams, result: RefitResult, installer) -> NodeReco
                         bytes_fetched=next((s["bytes"] for s in result.stages if s["name"] == "fetch buckets"), 0),
                         attempts=max(1, len(result.attempts)), updated_at_unix_ms=now, alive_at_unix_ms=now,
                         heartbeat_s=heartbeat_interval_s, target_version=attempted_version(params, result),
-                        transient=retryable_run(result), rollback_from=result.rollback_from, **seen)
+                        transient=retryable_run(result), failure=_failure(result),
+                        rollback_from=result.rollback_from, **seen)
     with _writing:
         _write(params, record)
     _emit(params, record)
     return record
+
+
+def _failure(result: RefitResult) -> str | None:
+    """A FAILED run's ``failure`` field: storage (retried at the next head check) or content (``failure_kind``)."""
+    if result.status != FAILED:
+        return None
+    return failure_kind(result.exception if result.exception is not None else
+                        (result.error_detail or {}).get("type"))
 
 
 def attempted_version(params: RefitParams, result: RefitResult) -> str | None:
@@ -98,6 +120,9 @@ def refresh_node(params: RefitParams, installer, *, busy: bool = False) -> NodeR
     (while a run installs, the engines may briefly be ahead of the store: the
     record then says DRIFTED until the run writes its outcome). A busy beat
     never turns a DRIFTED record back to READY: the run's own record does.
+    A store marked poisoned makes the record POISONED whatever the engines
+    say (a heal cannot install into it); once ``recover`` cleared the mark
+    and the engines confirm the installed version, an idle beat says READY.
     Returns the record written, whose ``condition()`` is ``DRIFTED`` when an
     engine no longer runs what the store installed (an idle agent then
     refits to heal it); None if nothing could be written.
@@ -133,10 +158,12 @@ def _refresh(params: RefitParams, installer, busy: bool) -> tuple[NodeRecord, st
     # was written, and an engine restarted meanwhile must not be left claimed at the version it no longer runs
     seen = observed(params, installer)
     status = record.status
-    if seen["store_version"] is not None and seen["version"] is None:
+    if _store_poisoned(params):
+        status = POISONED  # the store refuses installs until `recover`: never DRIFTED, which a heal would try
+    elif seen["store_version"] is not None and seen["version"] is None:
         status = DRIFTED
-    elif status == DRIFTED and not busy:
-        status = READY  # healed (by a refit, or the engine came back on the installed version)
+    elif status in (DRIFTED, POISONED) and not busy:
+        status = READY  # healed (by a refit, by `recover`, or the engine came back on the installed version)
     record = replace(record, status=status, **seen)
     return (record, previous.status) if _write(params, record) else None
 
@@ -164,6 +191,15 @@ def _emit(params: RefitParams, record: NodeRecord) -> None:
         log.warning("could not emit the node event of %s: %s", params.node, exc)
 
 
+class Due(NamedTuple):
+    """A refit to latest the head check wants now: the head's version, why, and whether it retries a run that
+    failed on storage (the agent backs off while such retries keep failing)."""
+
+    version: str
+    why: str
+    storage_retry: bool = False
+
+
 class HeadWatch:
     """The agent's level check against the catalog: is the catalog's head newer than what this node runs?
 
@@ -173,11 +209,14 @@ class HeadWatch:
 
     * the head is newer than the installed version (a publication whose
       event was lost, or made while the agent was down), unless this node's
-      last run failed that version (or a newer one) for a reason that is not
-      transient, or the node is poisoned: those wait for a new publication or
-      an operator;
-    * so a refit that failed on a transient error (storage down) is tried
-      again at the next check, not left until the next publication.
+      last run rejected that version (or a newer one): its bytes were read
+      and refused (``NodeRecord.rejected``), or the node is poisoned: those
+      wait for a new publication or an operator;
+    * so a refit that failed on storage (``NodeRecord.storage_failure``: an
+      outage, transient or not: a missing object, denied access) is tried
+      again at the next check, not left until the next publication; the
+      ``Due`` says so (``storage_retry``) and the agent backs off while it
+      keeps failing (``deployments/agent_head.py``).
 
     ``sequence_of(version)`` orders versions (for coalescing a burst of
     publications); None when the catalog cannot say. Storage errors raise
@@ -209,7 +248,7 @@ class HeadWatch:
         record = self.catalog.head()
         return None if record is None else (record.version, record.sequence)
 
-    def due(self) -> tuple[str, str] | None:
+    def due(self) -> "Due | None":
         head = self.head()
         if head is None:
             return None
@@ -226,14 +265,15 @@ class HeadWatch:
         record = next((r for r in scan.records if r.node == self.params.node), None)
         if record is not None and record.status == POISONED:
             return None
-        if record is not None and record.status == FAILED:
+        if record is not None and record.storage_failure:  # the same bytes may be read now: try again
+            kind = "transient storage failure" if record.transient else "storage failure"
+            return Due(version, f"retrying {version} after a {kind} ({record.error})", storage_retry=True)
+        if record is not None and record.rejected:
             failed = self.sequence_of(record.attempted)
-            if not record.transient and failed is not None and failed >= sequence:
+            if failed is not None and failed >= sequence:
                 return None  # this version was refused for good: a new publication or an operator moves it on
-            if record.transient:
-                return version, f"retrying {version} after a transient failure ({record.error})"
         if installed is None:
-            return version, f"the node has no installed version; the catalog's head is {version}"
+            return Due(version, f"the node has no installed version; the catalog's head is {version}")
         if installed_sequence is None:
             return None  # the installed version is not in this catalog (a launch version): latest decides once
-        return version, f"the catalog's head is {version}, the node runs {installed}"
+        return Due(version, f"the catalog's head is {version}, the node runs {installed}")

@@ -238,7 +238,10 @@ class Judge:
                    if not (accepts(node.engine.report() or "") or self.watcher.confirmed(n, accepts, answered))]
             if off:
                 wrong = f"reached, but the engines of {', '.join(off)} do not run {version} or newer"
-        elif outcome == "poisoned":
+        elif outcome == "poisoned":  # the watcher may see the record a sample later than the barrier did
+            deadline = time.monotonic() + 3.0
+            while not any(self.watcher.poisoned_since(n, started) for n in poisoned) and time.monotonic() < deadline:
+                time.sleep(0.1)
             if not any(self.watcher.poisoned_since(n, started) for n in poisoned):
                 wrong = f"poisoned: {', '.join(poisoned)}, never seen poisoned"
         elif outcome == "failed":

@@ -15,6 +15,7 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -182,5 +183,68 @@ def test_a_node_installs_into_the_stand_in_process_and_its_heartbeat_sees_a_rest
         beat = node_report.refresh_node(params, make_installer(installer))
         assert beat.condition() == "DRIFTED" and beat.version is None
         assert beat.engines == {f"http://127.0.0.1:{port}": "default"}
+    finally:
+        engine.stop()
+
+
+def test_an_engine_killed_mid_load_leaves_the_node_poisoned_until_recover_and_the_heartbeat_says_so(tmp_path):
+    """``--load-seconds``: a kill lands in a load. The refit ends POISONED; the heartbeat keeps saying POISONED
+    (not DRIFTED, which an agent would try to heal by installing into a store that refuses) while the engine is
+    down and after it came back on its launch weights; ``recover`` re-installs, and the next beat says READY."""
+    import os
+    import threading
+
+    from flows import node_report
+    from flows.publish import run_publish
+    from flows.recover import run_recover
+    from flows.refit import run_refit
+    from flows.synthetic import ModelShape, random_model, train_step, write_checkpoint
+    from storage.settings import InstallerSettings, PublishParams, RecoverParams, RefitParams
+    from storage.store.local_store import LocalStore
+    from tasks.installers import make_installer
+
+    shape = ModelShape(vocab=64, hidden=16, intermediate=32, layers=1, shards=1)
+    tensors = random_model(shape, seed=5)
+    launch = write_checkpoint(tmp_path / "launch", tensors, shards=1)
+    step = write_checkpoint(tmp_path / "step-1", train_step(tensors, seed=6), shards=1)
+    catalog, model = (tmp_path / "objects" / "catalog").as_uri(), "lab/standin"
+    for folder, kind in ((launch, "initial"), (step, "delta")):
+        run_publish(PublishParams(catalog=catalog, model=model, checkpoint=folder, kind=kind,
+                                  state_dir=tmp_path / "publisher", emit_event=False))
+    port = free_port()
+    installer = InstallerSettings(kind="sglang-disk", engine_urls=[f"http://127.0.0.1:{port}"])
+
+    def params(target: str) -> RefitParams:
+        return RefitParams(catalog=catalog, model=model, node="gpu1", cache_dir=tmp_path / "cache", target=target,
+                           seed_checkpoint=str(launch), installer=installer)
+
+    engine = StandIn(launch, port, "--load-seconds", "1.5")
+    assert run_refit(params("r0")).status == "READY"
+    link = tmp_path / "cache" / model.replace("/", "--") / "current"
+    outcome: list = []
+    refit = threading.Thread(target=lambda: outcome.append(run_refit(params("r1"))))
+    refit.start()
+    deadline = time.monotonic() + 60
+    while "r1" not in (os.readlink(link) if link.is_symlink() else "") and time.monotonic() < deadline:
+        time.sleep(0.02)  # the installer switches the stable path, then asks the engine to load it
+    time.sleep(0.5)
+    engine.proc.kill()  # SIGKILL in the middle of the load
+    engine.stop()
+    refit.join(120)
+    assert outcome and outcome[0].status == "POISONED", outcome and outcome[0].error
+    assert LocalStore(tmp_path / "cache", model, create=False).poisoned() is not None
+
+    beat = node_report.refresh_node(params("latest"), make_installer(installer))  # the engine is gone
+    assert beat.condition() == "POISONED" and beat.version is None
+    engine = StandIn(launch, port)  # back on its launch weights: still poisoned, never merely drifted
+    try:
+        beat = node_report.refresh_node(params("latest"), make_installer(installer))
+        assert beat.condition() == "POISONED" and beat.engines == {installer.engine_urls[0]: "default"}
+
+        recovered = run_recover(RecoverParams(model=model, cache_dir=tmp_path / "cache"))
+        assert recovered.status == "READY", recovered.error
+        beat = node_report.refresh_node(params("latest"), make_installer(installer))
+        assert (beat.condition(), beat.version) == ("READY", recovered.version)
+        assert engine.call("GET", "/model_info")[1]["weight_version"] == recovered.version
     finally:
         engine.stop()
