@@ -248,8 +248,12 @@ def test_ranges_are_sized_so_the_last_wave_does_not_run_alone(s3, tmp_path):
     with s3.proxy() as proxy:
         assert ObjectStore(s3.settings(proxy.url, range_size=16 * MIB, concurrency=4)).download(
             url, tmp_path / "waves.bin") == size
-        assert sorted(_ranges(proxy.requests(_key(url), "GET"))) == [(i * 10 * MIB, (i + 1) * 10 * MIB)
-                                                                     for i in range(4)]
+        spans = sorted(_ranges(proxy.requests(_key(url), "GET")))
+    planned = [(i * 10 * MIB, (i + 1) * 10 * MIB) for i in range(4)]
+    assert [s for s in spans if s[0] % (10 * MIB) == 0] == planned  # four ranges of 10 MiB, one wave
+    # on a loaded machine a range answered late may be split onto a connection that finished: its second part
+    # lies inside it
+    assert all(any(p[0] < start < end <= p[1] for p in planned) for start, end in spans if start % (10 * MIB))
     assert (tmp_path / "waves.bin").read_bytes() == data
 
 
