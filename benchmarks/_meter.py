@@ -17,6 +17,7 @@ import resource
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 _IO_KEYS = ("rchar", "wchar", "read_bytes", "write_bytes", "cancelled_write_bytes")
 
@@ -157,3 +158,114 @@ def union_s(spans) -> float:
             total += e - max(b, end)
             end = e
     return total
+
+
+def _rss_anon() -> int:
+    return _status_kib(("RssAnon",)).get("RssAnon", 0)
+
+
+class RefitWatch:
+    """While a refit runs: each stage's process CPU seconds (``Receiver.stage`` timed from outside), the cyclic
+    collector's runs, the peak ``RssAnon`` (sampled every 5 ms), and the files mapped (``/proc/self/smaps``
+    every 100 ms: the most bytes of files under ``root`` mapped at once, the largest mapping, their resident
+    and anonymous pages, and any private writable mapping, whose written pages would count as anonymous)."""
+
+    def __init__(self, root: Path):
+        self.root = str(root.resolve())
+        self.cpu: dict[str, float] = {}
+        self.collections = [0, 0, 0]
+        self.anon_before = self.anon_peak = _rss_anon()
+        self._pattern = None
+        self._sizes: dict[str, int] = {}
+        self._private: set[str] = set()
+        self.maps = {"mapped_bytes_peak": 0, "largest_mapping_bytes": 0, "resident_bytes_peak": 0,
+                     "anonymous_bytes_peak": 0, "private_writable": 0, "largest_file_bytes": 0}
+
+    def __enter__(self) -> "RefitWatch":
+        import gc
+        import threading
+        from contextlib import contextmanager
+
+        import tasks.receiver as receiver
+
+        self._stage = original = receiver.Receiver.stage
+        cpu = self.cpu
+
+        @contextmanager
+        def timed(rx, name):
+            begun = time.process_time()
+            try:
+                with original(rx, name) as record:
+                    yield record
+            finally:
+                cpu[name] = cpu.get(name, 0.0) + time.process_time() - begun
+
+        receiver.Receiver.stage = timed
+        gc.callbacks.append(self._collected)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import gc
+
+        import tasks.receiver as receiver
+
+        receiver.Receiver.stage = self._stage
+        gc.callbacks.remove(self._collected)
+        self._stop.set()
+        self._thread.join()
+        self.anon_peak = max(self.anon_peak, _rss_anon())
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "stop":
+            self.collections[info["generation"]] += 1
+
+    def _sample(self) -> None:
+        ticks = 0
+        while not self._stop.wait(0.005):
+            self.anon_peak = max(self.anon_peak, _rss_anon())
+            ticks += 1
+            if ticks % 20 == 0:
+                self._mappings()
+
+    def _mappings(self) -> None:
+        import re
+
+        m = self.maps
+        try:
+            with open("/proc/self/smaps") as fh:
+                text = fh.read()
+        except OSError:
+            return
+        if self._pattern is None:
+            self._pattern = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+ +(" + re.escape(self.root)
+                                       + r"\S*)\n((?:[A-Za-z_]+:.*\n)*)", re.M)
+        total = resident = anonymous = 0
+        for found in self._pattern.finditer(text):  # the mappings of files under ``root`` only
+            lo, hi, perms, path, fields = found.groups()
+            size = int(hi, 16) - int(lo, 16)
+            total += size
+            m["largest_mapping_bytes"] = max(m["largest_mapping_bytes"], size)
+            if perms.startswith("rw") and perms.endswith("p"):
+                self._private.add(path)
+                m["private_writable"] = len(self._private)  # files mapped private and writable
+            if path not in self._sizes:
+                try:
+                    self._sizes[path] = os.path.getsize(path)
+                except OSError:
+                    self._sizes[path] = 0
+                m["largest_file_bytes"] = max(m["largest_file_bytes"], self._sizes[path])
+            rss = re.search(r"^Rss: +(\d+) kB", fields, re.M)
+            anon = re.search(r"^Anonymous: +(\d+) kB", fields, re.M)
+            resident += int(rss.group(1)) * 1024 if rss else 0
+            anonymous += int(anon.group(1)) * 1024 if anon else 0
+        m["mapped_bytes_peak"] = max(m["mapped_bytes_peak"], total)
+        m["resident_bytes_peak"] = max(m["resident_bytes_peak"], resident)
+        m["anonymous_bytes_peak"] = max(m["anonymous_bytes_peak"], anonymous)
+
+    def result(self) -> dict:
+        return {"anon_before_bytes": self.anon_before, "anon_peak_bytes": self.anon_peak,
+                "stage_cpu_s": {k: round(v, 4) for k, v in self.cpu.items()},
+                "gc_collections": self.collections, "mappings": self.maps}

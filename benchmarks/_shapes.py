@@ -86,40 +86,33 @@ def build(root: Path, shape: str, scale: float, workers: int) -> dict:
 
 
 def refit(root: Path, workers: int) -> dict:
-    """Child ``refit``: a fresh node to r1 (seeded), then r1 -> r2; stage seconds, RssAnon, byte-exact check."""
-    import threading
-
+    """Child ``refit``: a fresh node to r1 (seeded), then r1 -> r2; per stage wall and CPU seconds, collector
+    runs, RssAnon, the files mapped meanwhile, the index's bytes, and the byte-exact check."""
     import flows.refit  # noqa: F401  (imported before anything is timed)
     from flows.refit import run_refit
     from storage.format.checkpoint import CheckpointIndex
     from storage.settings import RefitParams
+    from storage.store.flush import wait_for_flushes
+
+    from benchmarks._meter import RefitWatch
     from storage.urls import normalize_url
 
     params = dict(catalog=normalize_url(str(root / "catalog")), model=MODEL, seed_checkpoint=str(root / "launch"),
                   cache_dir=str(root / "cache"), apply_workers=workers, lock_timeout_s=120,
                   installer={"kind": "none"})
     runs = []
+    baseline = _anon()
     for target in ("r1", "r2"):
-        before = _anon()
-        peak = [before]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.wait(0.005):
-                peak[0] = max(peak[0], _anon())
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        started, cpu = time.perf_counter(), time.process_time()
-        result = run_refit(RefitParams(**params, target=target))
-        wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-        stop.set()
-        sampler.join()
+        wait_for_flushes(600)  # the previous refit's background write-back is not this one's cost
+        with RefitWatch(root) as watch:
+            started, cpu = time.perf_counter(), time.process_time()
+            result = run_refit(RefitParams(**params, target=target))
+            wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         if result.status != "READY" or result.version != target:
             raise SystemExit(f"refit to {target} ended {result.status}: {result.error}")
-        runs.append({"target": target, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "anon_before_bytes": before,
-                     "anon_peak_bytes": max(peak[0], _anon()),
-                     "stages": {s["name"]: s["seconds"] for s in result.stages}})
+        runs.append({"target": target, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4), "anon_baseline_bytes": baseline,
+                     "stages": {s["name"]: s["seconds"] for s in result.stages}} | watch.result())
+    wait_for_flushes(600)
     # byte-exact: every tensor the node installed is the trainer's r2, tensor by tensor
     from storage.store.local_store import LocalStore
 
@@ -128,7 +121,28 @@ def refit(root: Path, workers: int) -> dict:
     expected = CheckpointIndex.open(root / "r2")
     mismatched = [n for n, loc in expected.tensors.items() if _read(installed, n) != _read(expected, n)]
     return {"runs": runs, "tensors_compared": len(expected.tensors), "mismatched": mismatched[:5],
-            "byte_exact": not mismatched and set(installed.tensors) == set(expected.tensors)}
+            "byte_exact": not mismatched and set(installed.tensors) == set(expected.tensors),
+            "index_bytes": _index_bytes(store.root / store.active().path, store.root / "deltas" / "r2")}
+
+
+def _index_bytes(checkpoint: Path, delta: Path) -> dict:
+    """The bytes of JSON a refit parses for its index: the checkpoint's index file and shard headers, the
+    delta's manifest and bucket headers."""
+    import struct
+
+    def headers(folder: Path) -> int:
+        total = 0
+        for path in folder.glob("*.safetensors"):
+            with open(path, "rb") as fh:
+                total += struct.unpack("<Q", fh.read(8))[0]
+        return total
+
+    def size(path: Path) -> int:
+        return path.stat().st_size if path.exists() else 0
+
+    checkpoint_bytes = headers(checkpoint) + size(checkpoint / "model.safetensors.index.json")
+    delta_bytes = headers(delta) + size(delta / "index.json")
+    return {"checkpoint": checkpoint_bytes, "delta": delta_bytes, "total": checkpoint_bytes + delta_bytes}
 
 
 def _read(index, name: str) -> bytes:
@@ -175,15 +189,25 @@ def measure(root: Path, shape: str, scale: float, *, workers: int, parts: tuple[
             "stages_sum": round(sum(steady["stages"].values()) / n * 1e6, 2),
             "wall": round(steady["wall_s"] / n * 1e6, 2), "cpu": round(steady["cpu_s"] / n * 1e6, 2),
             "seed (fresh node)": round(cold["stages"].get("seed checkpoint", 0) / n * 1e6, 2)}
+        point["refit_cpu_us_per_tensor"] = {k: round(v / n * 1e6, 2) for k, v in steady["stage_cpu_s"].items()} | {
+            "refit": round(steady["cpu_s"] / n * 1e6, 2)}
+        point["gc_collections"] = steady["gc_collections"]
+        point["mappings"] = steady["mappings"]
         anon = steady["anon_peak_bytes"] - steady["anon_before_bytes"]
-        held = max(cold["anon_peak_bytes"], steady["anon_peak_bytes"]) - cold["anon_before_bytes"]
+        held = max(cold["anon_peak_bytes"], steady["anon_peak_bytes"]) - cold["anon_baseline_bytes"]
+        index = done["index_bytes"]["total"]
         point["memory"] = {"anon_peak_bytes": steady["anon_peak_bytes"], "anon_growth_bytes": anon,
                            "anon_bytes_per_tensor": round(anon / n, 1),
                            "anon_over_baseline_bytes": held,  # the process's peak over its RssAnon before refits
-                           "anon_over_baseline_per_tensor": round(held / n, 1)}
+                           "anon_over_baseline_per_tensor": round(held / n, 1),
+                           "index_bytes": done["index_bytes"], "index_bytes_per_tensor": round(index / n, 1),
+                           "anon_beyond_index_bytes": held - index,
+                           "anon_beyond_index_per_tensor": round((held - index) / n, 1)}
         log(f"{shape} x{scale:g}: refit r1 -> r2 {steady['wall_s']:.2f} s = "
-            f"{point['refit_us_per_tensor']['stages_sum']:.1f} us a tensor over its stages; RssAnon "
-            f"+{anon / 1e6:.1f} MB = {anon / n:.0f} B a tensor of index; byte-exact {done['byte_exact']}")
+            f"{point['refit_us_per_tensor']['stages_sum']:.1f} us a tensor over its stages, CPU "
+            f"{point['refit_us_per_tensor']['cpu']:.1f}; RssAnon over baseline {held / 1e6:.1f} MB = "
+            f"{held / n:.0f} B a tensor ({(held - index) / n:.0f} B beyond the index's {index / n:.0f} B of JSON); "
+            f"byte-exact {done['byte_exact']}")
     return point
 
 
@@ -214,10 +238,15 @@ def goals(points: list[dict]) -> dict:
                     "from_tensors": lo["tensors"], "to_tensors": hi["tensors"]}
         out[part] = row
     if "memory" in hi and hi["tensors"] > lo["tensors"]:
-        per = (hi["memory"]["anon_over_baseline_bytes"] - lo["memory"]["anon_over_baseline_bytes"]) / (
-            hi["tensors"] - lo["tensors"])
+        extra = hi["tensors"] - lo["tensors"]
+        per = (hi["memory"]["anon_over_baseline_bytes"] - lo["memory"]["anon_over_baseline_bytes"]) / extra
         out["memory"] = {"anon_bytes_per_extra_tensor": round(per, 1), "from_tensors": lo["tensors"],
                          "to_tensors": hi["tensors"]}
+        if "anon_beyond_index_bytes" in hi["memory"] and "anon_beyond_index_bytes" in lo["memory"]:
+            out["memory"]["beyond_index_bytes_per_extra_tensor"] = round(
+                (hi["memory"]["anon_beyond_index_bytes"] - lo["memory"]["anon_beyond_index_bytes"]) / extra, 1)
+            out["memory"]["index_bytes_per_extra_tensor"] = round(
+                (hi["memory"]["index_bytes"]["total"] - lo["memory"]["index_bytes"]["total"]) / extra, 1)
     return out
 
 
@@ -231,17 +260,40 @@ def table(result: dict) -> str:
         if "refit_us_per_tensor" in p:
             lines.append("  refit r1 -> r2, us a tensor: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in p["refit_us_per_tensor"].items()))
+            if "refit_cpu_us_per_tensor" in p:
+                lines.append("  refit r1 -> r2, CPU us a tensor (the process's, each stage's window; fetch buckets "
+                             "runs beside apply deltas): " + ", ".join(
+                                 f"{k} {v:.1f}" for k, v in p["refit_cpu_us_per_tensor"].items()))
+                lines.append(f"  cyclic GC runs during the refit (generations 0/1/2): "
+                             f"{'/'.join(map(str, p['gc_collections']))}")
             m = p["memory"]
             lines.append(f"  RssAnon: peak {m['anon_peak_bytes'] / 1e6:.1f} MB; the refitting process's peak over its "
                          f"baseline {m['anon_over_baseline_bytes'] / 1e6:.1f} MB = "
                          f"{m['anon_over_baseline_per_tensor']:.0f} B a tensor of index (the steady refit's own "
                          f"growth {m['anon_bytes_per_tensor']:.0f} B); byte-exact {p['byte_exact']} "
                          f"({p['tensors_compared']} tensors compared)")
+            if "index_bytes" in m:
+                lines.append(f"  the index's JSON (checkpoint headers and index, delta manifest and bucket headers): "
+                             f"{m['index_bytes']['total'] / 1e6:.1f} MB = {m['index_bytes_per_tensor']:.0f} B a "
+                             f"tensor; RssAnon beyond it {m['anon_beyond_index_bytes'] / 1e6:.1f} MB = "
+                             f"{m['anon_beyond_index_per_tensor']:.0f} B a tensor")
+            if "mappings" in p:
+                g = p["mappings"]
+                lines.append(f"  files mapped by the refit at once: at most {g['mapped_bytes_peak'] / 1e6:.1f} MB "
+                             f"(largest mapping {g['largest_mapping_bytes'] / 1e6:.2f} MB, largest file "
+                             f"{g['largest_file_bytes'] / 1e6:.2f} MB), resident at most "
+                             f"{g['resident_bytes_peak'] / 1e6:.1f} MB, anonymous in them at most "
+                             f"{g['anonymous_bytes_peak'] / 1e6:.1f} MB, private writable mappings seen: "
+                             f"{g['private_writable']}")
     lines.append("\ngoals:")
     for part, g in result["goals"].items():
         if part == "memory":
-            lines.append(f"  memory: the refitting process's RssAnon grows {g['anon_bytes_per_extra_tensor']:.0f} B per "
-                         f"extra tensor of index ({g['from_tensors']} -> {g['to_tensors']} tensors)")
+            line = (f"  memory: the refitting process's RssAnon grows {g['anon_bytes_per_extra_tensor']:.0f} B per "
+                    f"extra tensor of index ({g['from_tensors']} -> {g['to_tensors']} tensors)")
+            if "beyond_index_bytes_per_extra_tensor" in g:
+                line += (f"; beyond the index's JSON ({g['index_bytes_per_extra_tensor']:.0f} B a tensor): "
+                         f"{g['beyond_index_bytes_per_extra_tensor']:.0f} B")
+            lines.append(line)
             continue
         line = (f"  {part}: {g['us_per_extra_tensor']:.1f} us per extra tensor (goal <= {g['goal_us']:g}): "
                 f"{'met' if g['met'] else 'NOT met'}")
