@@ -93,6 +93,7 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
         self.head_watch = head_watch
         self.head_poll_s = head_poll_s
         self._next_head_check = 0.0
+        self._storage_retries = 0  # head checks in a row that retried a refit failed on storage (they back off)
         self.node = node
         # flow name -> the run's parameters as this node runs them, or RunRefused (deployments/pinning.py); a flow
         # with no entry is not run at all (a run's parameters are never run as they come)
@@ -224,8 +225,8 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
                         if hasattr(self.heartbeat, "settled"):  # flows.fleet_table.TableHeartbeat: after each run
                             self.heartbeat.settled()  # the fleet table artifact is rewritten (in its own thread)
                         # the head is checked a whole interval after the node was last busy: a run may
-                        # have just been created for what a check would find
-                        self._next_head_check = time.monotonic() + self.head_poll_s
+                        # have just been created for what a check would find (backing off storage retries)
+                        self._next_head_check = time.monotonic() + self.head_interval_s()
                 backoff = min(self.poll_s, 1.0)
             except Exception as exc:  # the API is down or erring: the agent outlives it
                 self.stats.api_errors += 1

@@ -1,7 +1,17 @@
 """The agent's level check: the catalog's head against what the node runs, and coalescing a burst of refits.
 
 ``HeadCheck`` is a part of ``deployments.agent.NodeAgent`` (it reads the
-agent's ``head_watch``, ``node``, ``stats`` and ``_latest_id``).
+agent's ``head_watch``, ``head_poll_s``, ``node``, ``stats`` and ``_latest_id``).
+
+A refit that failed on storage (the revision could not be read: an outage,
+a missing object, denied access) is retried at the next check. While such
+retries keep failing, the checks back off: the interval doubles after each
+one, from ``head_poll_s`` up to ``HEAD_POLL_CAP_S`` (60 s, the most
+``--head-poll-seconds`` allows), so a node retries an outage at most once a
+minute and still catches up within a minute of storage coming back. Any
+other answer (nothing due, a newer head, a refit that got through) resets
+the interval. A refit whose revision was refused (a corrupt revision) is not
+retried: the same bytes would be refused again.
 """
 
 from __future__ import annotations
@@ -11,6 +21,7 @@ import time
 from uuid import UUID
 
 log = logging.getLogger("canonical_refit.agent")
+HEAD_POLL_CAP_S = 60.0  # the longest interval between head checks, backing off or not (serve: --head-poll-seconds <= 60)
 
 
 class HeadCheck:
@@ -28,22 +39,33 @@ class HeadCheck:
         log.info("created flow run %s (%s): %s", run.name, run.id, why)
         return run
 
+    def head_interval_s(self) -> float:
+        """Seconds until the next head check: ``head_poll_s``, doubled for each storage retry after the first
+        that is still failing, at most ``HEAD_POLL_CAP_S`` (or ``head_poll_s`` if that is longer)."""
+        backoff = 2 ** max(0, self._storage_retries - 1)
+        return min(max(self.head_poll_s, HEAD_POLL_CAP_S), self.head_poll_s * backoff)
+
     def _check_head(self, client, ids: list[UUID]) -> list:
-        """Every ``head_poll_s`` with no run due: if the catalog's head is newer than what the node runs (a
-        publication whose event was lost) or the last refit failed on a transient error, create one refit-latest
-        run; the runs due afterwards (that one)."""
-        self._next_head_check = time.monotonic() + self.head_poll_s
+        """Every ``head_interval_s()`` with no run due: if the catalog's head is newer than what the node runs (a
+        publication whose event was lost) or the last refit failed on storage, create one refit-latest run; the
+        runs due afterwards (that one)."""
+        self._next_head_check = time.monotonic() + self.head_interval_s()
         if self.head_watch is None or self._latest_id is None:
             return []
         self.stats.head_checks += 1
         try:
             due = self.head_watch.due()
         except Exception as exc:  # storage down: the next check tries again
-            log.warning("could not check the catalog's head (next check in %.0fs): %s", self.head_poll_s, exc)
+            log.warning("could not check the catalog's head (next check in %.0fs): %s", self.head_interval_s(), exc)
             return []
+        # one rate limiter: consecutive storage retries lengthen the interval, anything else resets it
+        self._storage_retries = self._storage_retries + 1 if getattr(due, "storage_retry", False) else 0
+        self._next_head_check = time.monotonic() + self.head_interval_s()
         if due is None:
             return []
-        version, why = due
+        version, why = due[0], due[1]
+        if self._storage_retries > 1:
+            why += f" (retry {self._storage_retries}; next check in {self.head_interval_s():.0f}s)"
         installed = getattr(self.head_watch, "installed", lambda: None)()
         self._create_latest(client, why, self._run_name(f"{installed or 'none'} -> {version}"))
         self.stats.catch_ups += 1

@@ -15,13 +15,19 @@ the answer is known:
   newer one (or ``--nodes N`` of them do);
 * 3 ``poisoned``: an expected node is poisoned (at once);
 * 4 ``failed``: every expected node that has not reached the version failed
-  it: its last refit toward the version, or toward a newer one, ended
-  FAILED on a permanent error (a corrupt or malformed revision, a wrong
-  base); ``failures`` names each with its error;
+  it: its last refit toward the version, or toward a newer one, rejected
+  the revision (its bytes were read and refused: a corrupt or malformed
+  revision, a wrong base); ``failures`` names each with its error;
 * 1 ``timeout``: each node still on its way is named: behind (alive,
   older), stale (not seen alive), drifted (its engines disagree with its
   store), unseen (expected, no record) or unreadable (its record could not
   be read).
+
+A node whose last refit failed on storage (the revision could not be read:
+an outage, a missing object, denied access; ``NodeRecord.storage_failure``)
+has not refused anything: it is behind (storage error, retrying), its agent
+tries again at its next head check, and it keeps the barrier waiting until
+it gets there or the timeout; ``retrying`` names it with its error.
 
 A catalog or a node-record folder that cannot be read (storage down) is
 read again at the next poll until the timeout; the outcome says so
@@ -46,7 +52,7 @@ from flows.options import Flag, add_flags, build, given
 from storage.catalog.records import Catalog
 from storage.errors import RefitError
 from storage.catalog.nodes import NodeRecord, delete_node_record, read_node_records, scan_node_records
-from storage.format.status import DRIFTED, FAILED, POISONED, STALE
+from storage.format.status import DRIFTED, POISONED, STALE
 from storage.objects.store import ObjectStore
 from storage.settings import MODEL_PATTERN, VERSION_PATTERN, ObjectStoreSettings
 
@@ -98,8 +104,10 @@ class WaitOutcome:
 
     ``laggards`` is every expected node not counted as reached (behind, stale, drifted, unseen, unreadable or
     failed). ``failures`` maps each failed node to what it tried (``version``: the version its last refit
-    resolved, the waited one or a newer one) and its ``error``. ``problems`` says what could not be read at the
-    last poll (the catalog record of the version, the node-record folder, a record).
+    resolved, the waited one or a newer one) and its ``error``. ``retrying`` maps each node that is behind
+    because its last refit failed on storage (it is retried; never counted failed) to the same. ``problems``
+    says what could not be read at the last poll (the catalog record of the version, the node-record folder, a
+    record).
     """
 
     outcome: str
@@ -117,6 +125,7 @@ class WaitOutcome:
     failed: list[str] = field(default_factory=list)
     failures: dict[str, dict] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    retrying: dict[str, dict] = field(default_factory=dict)
 
     def describe(self) -> str:
         if self.outcome == "reached":
@@ -129,9 +138,13 @@ class WaitOutcome:
             return (f"every node that does not run {self.version} failed it: "
                     + "; ".join(f"{name} ({failure['version']}): {failure['error']}"
                                 for name, failure in self.failures.items()) + done)
+        retrying = [f"{name} ({failure['version'] or 'latest'}): {failure['error']}"
+                    for name, failure in self.retrying.items()]
         parts = [f"{label}: {', '.join(names)}" for label, names in (
-            ("behind", self.behind), ("stale (not seen alive)", self.stale), ("drifted", self.drifted),
-            ("unseen", self.unseen), ("unreadable record", self.unreadable), ("failed", self.failed)) if names]
+            ("behind", [n for n in self.behind if n not in self.retrying]),
+            ("behind (storage error, retrying)", retrying), ("stale (not seen alive)", self.stale),
+            ("drifted", self.drifted), ("unseen", self.unseen), ("unreadable record", self.unreadable),
+            ("failed", self.failed)) if names]
         text = f"timed out after {self.seconds:.0f}s; " + ("; ".join(parts) or "no node has a record")
         return text + "".join(f"; could not read {problem}" for problem in self.problems)
 
@@ -146,9 +159,10 @@ class WaitOutcome:
 
 
 class VersionFailed(RefitError):
-    """``wait_for``: every expected node that does not run the version failed its refit to it (or to a newer
-    one) on a permanent error. ``outcome`` is the ``WaitOutcome``; ``failures`` maps each failed node to the
-    version it tried and its error."""
+    """``wait_for``: every expected node that does not run the version rejected it (or a newer one) in its last
+    refit: the revision was read and refused (a node that failed on storage is retried, never counted).
+    ``outcome`` is the ``WaitOutcome``; ``failures`` maps each failed node to the version it tried and its
+    error."""
 
     def __init__(self, outcome: WaitOutcome):
         self.outcome = outcome
@@ -197,7 +211,7 @@ def wait_for(version: str, *, catalog: str, model: str, nodes: int | None = None
             outcome = WaitOutcome(
                 kind, version, places.reached, sorted(places.pending + places.failed), places.poisoned, elapsed,
                 places.view, places.behind, places.stale, places.drifted, places.unseen, places.unreadable,
-                places.failed, places.failures, problems)
+                places.failed, places.failures, problems, places.retrying)
             if kind == "failed" and check:
                 raise VersionFailed(outcome)
             return outcome
@@ -218,6 +232,7 @@ class _Places:
     poisoned: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     failures: dict[str, dict] = field(default_factory=dict)
+    retrying: dict[str, dict] = field(default_factory=dict)  # behind: the last refit failed on storage
 
     @property
     def pending(self) -> list[str]:
@@ -289,11 +304,14 @@ def _places(revisions: Catalog, objects: ObjectStore, catalog: str, model: str, 
             places.drifted.append(name)
         elif at_or_above(record.version):
             places.reached.append(name)
-        elif record.status == FAILED and not record.transient and at_or_above(record.attempted):
+        elif record.rejected and at_or_above(record.attempted):
             places.failed.append(name)
             places.failures[name] = {"version": record.attempted, "status": record.status, "error": record.error}
         else:
             places.behind.append(name)
+            if record.storage_failure:  # nothing was refused: its agent retries it at its next head check
+                places.retrying[name] = {"version": record.attempted, "status": record.status,
+                                         "error": record.error}
     places.view.problems = problems + (scan.problems if scan is not None else [])
     return places
 

@@ -28,8 +28,9 @@ from pydantic.dataclasses import dataclass as strict_dataclass
 
 from storage.bounded_json import RECORD, load_record
 from storage.canonical import canonical_json
+from storage import errors
 from storage.errors import FormatError, RefitError
-from storage.format.status import DRIFTED, POISONED, STALE, NodeStatus, Status
+from storage.format.status import DRIFTED, FAILED, POISONED, STALE, NodeStatus, Status
 from storage.objects.store import ObjectStore
 from storage.settings import NODE_PATTERN
 from storage.urls import join_url, parent_url
@@ -72,6 +73,7 @@ class NodeRecord:
     heartbeat_s: float | None = None  # how often the node's agent refreshes the record; None: no agent
     target_version: str | None = None  # the version the last run's target resolved to; None: it never resolved
     transient: bool = False  # the last run failed on a transient error (storage down): a later run may succeed
+    failure: str | None = None  # a FAILED last run: STORAGE_FAILURE or CONTENT_FAILURE (failure_kind); else None
     rollback_from: str | None = None  # the last run was a rollback: the version it went back from
     schema: str = SCHEMA
 
@@ -100,6 +102,22 @@ class NodeRecord:
             return self.target_version
         return self.target if self.target not in (None, "latest") else None
 
+    @property
+    def storage_failure(self) -> bool:
+        """The last run failed because the revision could not be read (``failure`` is ``"storage"``; a record
+        written before that field existed: ``transient``): a later run of the same revision may succeed, so the
+        agent retries it at its next head check and a barrier counts the node behind, not failed."""
+        if self.status != FAILED:
+            return False
+        return self.failure == STORAGE_FAILURE if self.failure is not None else self.transient
+
+    @property
+    def rejected(self) -> bool:
+        """The last run failed for a reason other than storage: the revision's bytes were read and refused
+        (checksum, format, record, lineage) or this node cannot take them. Not retried until a newer
+        publication or an operator; a barrier counts the node as having failed the version it tried."""
+        return self.status == FAILED and not self.storage_failure
+
     def condition(self, stale_after_s: float | None = None) -> Status:
         """What a reader acts on: POISONED, STALE (not seen alive), DRIFTED (store and engines disagree), or
         the last run's status."""
@@ -110,6 +128,30 @@ class NodeRecord:
         if self.status == DRIFTED or (self.store_version is not None and self.version != self.store_version):
             return DRIFTED
         return self.status
+
+
+STORAGE_FAILURE = "storage"  # NodeRecord.failure: the revision could not be read (object storage failed)
+CONTENT_FAILURE = "content"  # NodeRecord.failure: the revision was read and refused, or the node could not take it
+
+
+def failure_kind(error: BaseException | str | None) -> str:
+    """How a failed run failed, from the typed error hierarchy (storage/errors.py): ``STORAGE_FAILURE`` for any
+    ``StorageError`` (a missing object, denied access, transient errors past their retries: an outage can cause
+    each) or any error marked transient; ``CONTENT_FAILURE`` for everything else (``FormatError``: checksum,
+    format, catalog record, lineage; an install refused; the local store). ``error`` may also be the name of
+    the error's type (a result's ``error_detail["type"]``) when the exception itself is not at hand."""
+    if isinstance(error, str):
+        error = getattr(errors, error, None)
+        kind = error if isinstance(error, type) else None
+    else:
+        kind = type(error) if error is not None else None
+        if getattr(error, "transient", False):
+            return STORAGE_FAILURE
+    storage = kind is not None and issubclass(kind, errors.StorageError) and not issubclass(kind, _NOT_READS)
+    return STORAGE_FAILURE if storage else CONTENT_FAILURE
+
+
+_NOT_READS = (errors.ImmutableConflict, errors.ConditionalWritesUnsupported)  # a writer's storage errors
 
 
 def nodes_url(catalog: str, model: str) -> str:
