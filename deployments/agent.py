@@ -55,6 +55,7 @@ it (``serve_in_process``). Every public name stays importable from here.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
@@ -156,13 +157,13 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
         api_url = str(get_current_settings().api.url).rstrip("/")
         self.stop.add_listener(self._wake.set)
         try:
+            if self.heartbeat is not None:  # the record needs storage and the engines, not the API: beat at once
+                threading.Thread(target=self._beat, name="node-heartbeat", daemon=True).start()
             # one client for the agent's life: the flow runs it executes take this context's client too
-            with SyncClientContext.get_or_create() as context:
-                client = context.client
-                ids = self._until_registered(client)
+            with self._connected(SyncClientContext) as context:
+                client = context.client if context is not None else None  # None: stopped before the API answered
+                ids = self._until_registered(client) if client is not None else None
                 if ids is not None:
-                    if self.heartbeat is not None:
-                        threading.Thread(target=self._beat, name="node-heartbeat", daemon=True).start()
                     if self.wake_on_events:
                         threading.Thread(target=self._listen, args=(lambda: self._subscribe(api_url, ids),),
                                          name="run-wakeup", daemon=True).start()
@@ -176,6 +177,23 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
             self.stop.remove_listener(self._wake.set)
         log.info("node agent stopped after %d run(s)", self.stats.runs)
         return self.stats
+
+    @contextlib.contextmanager
+    def _connected(self, context_type):
+        """Prefect's client context, once the API answers: an agent started while the server is down waits for
+        it (Prefect's client checks the API version on entry and raises) instead of exiting; None if stopped."""
+        backoff, stack, context = min(self.poll_s, 1.0), contextlib.ExitStack(), None
+        while not self.stop.stopped:
+            try:
+                context = stack.enter_context(context_type.get_or_create())
+                break
+            except Exception as exc:
+                self.stats.api_errors += 1
+                log.warning("the Prefect API does not answer (retrying in %.0fs): %s", backoff, exc)
+                self.stop.wait(backoff)
+                backoff = min(MAX_BACKOFF_S, backoff * 2)
+        with stack:
+            yield context
 
     def _until_registered(self, client) -> list[UUID] | None:
         backoff = self.poll_s

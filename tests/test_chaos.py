@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from testbed.processes import ROOT, quiet_env
 
@@ -140,3 +141,35 @@ def test_the_judge_calls_reached_wrong_when_an_engine_does_not_run_the_version(t
     assert verdicts == [("r1", "reached", False), ("r2", "reached", True), ("r2", "failed", True),
                         ("r2", "timeout", False), ("r2", "poisoned", True)]
     assert "b" in judge.answers[1]["wrong"] and "a" not in judge.answers[1]["wrong"].split("of ")[1]
+
+
+def test_an_agent_started_while_the_server_is_down_beats_and_registers_once_it_is_back(tmp_path):
+    """What the chaos run found: an agent (re)started while the Prefect server was down exited at once (Prefect's
+    client checks the API on entry), leaving its node stale for good. Now it writes its record from its first
+    heartbeat (storage and engines need no API) and registers once the server answers."""
+    from storage.catalog.nodes import nodes_url
+    from testbed.nodes import NodeProcess
+    from testbed.prefect_server import PrefectServer, deployment_ids
+    from testbed.processes import wait_until
+    from testbed.trainer import Trainer
+
+    catalog = (tmp_path / "objects" / "catalog").as_uri()
+    trainer = Trainer(tmp_path / "trainer", catalog, "lab/down", endpoint=None)
+    server = PrefectServer(tmp_path / "server")  # its port chosen, nothing listening yet
+    node = NodeProcess("n1", tmp_path / "nodes", catalog, "lab/down", trainer.launch,
+                       server.client_env(tmp_path / "home"), poll_s=1.0,
+                       extra=("--heartbeat-seconds", "1", "--head-poll-seconds", "5"))
+    record = Path(nodes_url(catalog, "lab/down").removeprefix("file://")) / "n1.json"
+    node.start()
+    try:
+        wait_until("the node's first heartbeat, the server down", record.exists, 120, every_s=0.2,
+                   diagnostics=node.diagnostics)
+        assert node.alive, node.diagnostics()
+        with server:
+            with server.client() as client:
+                wait_until("the agent to register once the server answers", lambda: deployment_ids(
+                    client, list(node.deployments.values())), 120, every_s=0.5, diagnostics=node.diagnostics)
+            assert node.alive
+    finally:
+        node.stop(timeout_s=20)
+    assert "Prefect API does not answer" in node.log.read_text()
