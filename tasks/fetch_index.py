@@ -44,7 +44,9 @@ def fetch_index(rx: Receiver, plan: ReplayPlan, baseline: Baseline) -> Indexes:
     chain fails the run with the store untouched.
     """
     revisions = plan.lineage if baseline.checkpoint is None else plan.deltas
-    layout = _local_layout(rx, baseline)
+    index = _local_index(rx, baseline)
+    tensors = index.tensors if index is not None else None  # names are what a delta is checked against
+    layout = None  # (dtype, shape, nbytes) a tensor: built only for a full revision
     manifests, total = [], 0
     for revision in revisions:
         try:
@@ -53,11 +55,12 @@ def fetch_index(rx: Receiver, plan: ReplayPlan, baseline: Baseline) -> Indexes:
             raise exc.with_context(revision=revision.version)
         total += len(raw)
         manifest = parse_manifest(raw, revision)
-        if layout is not None:
+        if tensors is not None:
             if manifest.is_delta:
-                require_known_tensors(manifest, layout)
+                require_known_tensors(manifest, tensors)
             else:  # a full revision must hold exactly the local tensors: refused before any shard is fetched
-                require_same_tensors(manifest, layout)
+                require_same_tensors(manifest, tensors)
+                layout = layout or index.layout()
                 total += _check_shard_headers(rx, manifest, layout)
         manifests.append(manifest)
     return Indexes(tuple(manifests), bytes=total)
@@ -86,13 +89,19 @@ def _check_shard_headers(rx: Receiver, manifest: Manifest, layout) -> int:
         return sum(pool.map(check, manifest.files))
 
 
-def _local_layout(rx: Receiver, baseline: Baseline):
-    """The layout deltas and full revisions must match: the baseline's, or any verified checkpoint's."""
+def _local_index(rx: Receiver, baseline: Baseline) -> CheckpointIndex | None:
+    """The checkpoint deltas and full revisions must match: the baseline's, or any verified checkpoint's."""
     if baseline.checkpoint is not None:
-        return CheckpointIndex.open(rx.store.absolute(baseline.checkpoint.path)).layout()
+        return CheckpointIndex.open(rx.store.absolute(baseline.checkpoint.path))
     for record in rx.store.inventory().values():
-        return CheckpointIndex.open(rx.store.absolute(record.path)).layout()
+        return CheckpointIndex.open(rx.store.absolute(record.path))
     return None
+
+
+def _local_layout(rx: Receiver, baseline: Baseline):
+    """The layout (dtype, shape and size a tensor) deltas and full revisions must match, or None."""
+    index = _local_index(rx, baseline)
+    return index.layout() if index is not None else None
 
 
 FETCH_INDEX = Stage("fetch index", fetch_index, retried=True)

@@ -37,6 +37,8 @@ class TensorLocation:
 def check_shard_name(name: object, *, revision: str | None = None, file: str | None = None,
                      tensor: str | None = None) -> str:
     """A weight-map file name must be a bare ``*.safetensors`` base name (docs/format.md, section 5)."""
+    if type(name) is str and name in _SAFE_SHARD_NAMES:  # a weight map names each of its few shards per tensor
+        return name
     if (
         not isinstance(name, str)
         or name in ("", ".", "..")
@@ -48,7 +50,12 @@ def check_shard_name(name: object, *, revision: str | None = None, file: str | N
         or name == ".safetensors"
     ):
         raise ManifestError(f"unsafe shard file name {name!r}", revision=revision, file=file, tensor=tensor)
+    if len(_SAFE_SHARD_NAMES) < 4096:
+        _SAFE_SHARD_NAMES.add(name)
     return name
+
+
+_SAFE_SHARD_NAMES: set[str] = set()  # names already accepted (strings only: a set member is hashable and equal)
 
 
 class TensorTable:

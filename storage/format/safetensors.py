@@ -105,8 +105,8 @@ def _parse_header(
         raise fail("__metadata__ must map strings to strings")
     data_size = file_size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
-    spans: list[tuple[int, int, str]] = []
     sizes, keys, new, info_dict = DTYPE_SIZES, _TENSOR_KEYS, object.__new__, _info_dict
+    end_so_far, in_order = 0, True  # entries laid out one after the other need no sort to show they never overlap
     for name, entry in raw.items():
         # the well-formed entry, checked inline (a tensor's cost is a few dictionary lookups, not calls);
         # anything else goes through ``_tensor_info``, which names what is wrong
@@ -126,15 +126,20 @@ def _parse_header(
                             info = new(TensorInfo)
                             info_dict(info).update(name=name, dtype=dtype, shape=tuple(shape), start=start, end=end)
                             tensors[name] = info
-                            spans.append((start, end, name))
+                            if start < end_so_far:
+                                in_order = False
+                            end_so_far = end
                             continue
         info = tensors[name] = _tensor_info(name, entry, data_size, fail)
-        spans.append((info.start, info.end, name))
-    spans.sort()
-    for prev, cur in zip(spans, spans[1:]):
-        if cur[0] < prev[1]:
-            raise fail(f"data_offsets of {cur[2]!r} overlap those of {prev[2]!r}", tensor=cur[2])
-    last = max((end for _, end, _ in spans), default=0)
+        in_order = False
+    if in_order:
+        last = end_so_far
+    else:
+        spans = sorted((t.start, t.end, t.name) for t in tensors.values())
+        for prev, cur in zip(spans, spans[1:]):
+            if cur[0] < prev[1]:
+                raise fail(f"data_offsets of {cur[2]!r} overlap those of {prev[2]!r}", tensor=cur[2])
+        last = max((end for _, end, _ in spans), default=0)
     if last != data_size:  # nothing may follow the last tensor (what the safetensors library checks too)
         raise fail(f"{data_size - last} byte(s) follow the last tensor's end at {last} in the "
                    f"{data_size}-byte data section")
