@@ -27,6 +27,7 @@ from deployments.agent import NodeAgent
 from deployments.agent_head import HEAD_POLL_CAP_S
 from flows import api, node_report
 from flows.fleet import main as fleet_main
+from fleet_support import fleet_server  # noqa: F401  (a fixture)
 from s3_support import s3, s3_lab  # noqa: F401  (s3 is a fixture)
 from storage.catalog.nodes import failure_kind
 from storage.errors import (
@@ -185,3 +186,39 @@ def test_the_agent_backs_off_storage_retries_up_to_the_cap_and_resets_once_they_
     watch.answer = node_report.Due("r3", "the catalog's head is r3, the node runs r2")
     agent._check_head(client, [])
     assert agent.head_interval_s() == 10.0 and client.created[-1] == "refit gpu1 r1 -> r3"
+
+
+@pytest.mark.server
+def test_the_agent_retries_a_refit_that_failed_on_storage_and_gets_there_once_storage_is_back(
+        fleet_server, s3, tmp_path):  # noqa: F811 - fixtures
+    """A node agent (``python -m deployments.serve``) on a Prefect server, reading S3 through a proxy of its
+    own: the refit-on-publish run of r1 meets 403 on r1's payload and fails; wait says the node is behind
+    (storage error, retrying), never failed; once the 403s stop, the agent's head check gets it to r1."""
+    from fleet_support import Fleet
+
+    fleet = Fleet(fleet_server, s3.endpoint, tmp_path, f"{s3.prefix('outage-agent')}/catalog")
+    with s3.proxy(Faults(), lifetime_s=900) as proxy:
+        node = fleet.node("outage", endpoint=proxy.url, serve_args=("--head-poll-seconds", "2"))
+        try:
+            node.start()
+            fleet.registered(node)
+            assert fleet.publish("initial")["version"] == "r0"
+            (run,) = fleet.final_runs("outage", "r0")
+            assert run.state_name == "Ready", run.state.message
+
+            proxy.faults.deny = ("/revisions/r1/",)  # 403 on r1's payload: an expired token, an incident
+            assert fleet.publish("delta")["version"] == "r1"
+            (failed,) = fleet.final_runs("outage", "r1")
+            assert failed.state_name == "Failed", failed.state.message
+            code, waited = fleet.fleet("wait", "--version", "r1", "--timeout", "1", "--poll", "0.2")
+            assert (code, waited["outcome"], waited["failed"], list(waited["retrying"])) == (
+                1, "timeout", [], ["outage"]), waited
+            assert "denied" in waited["retrying"]["outage"]["error"].lower()
+
+            proxy.faults.deny = ()  # storage is back: the next head check gets the node there
+            code, waited = fleet.fleet("wait", "--version", "r1", "--timeout", "150", timeout_s=200)
+            assert (code, waited["outcome"], waited["reached"]) == (0, "reached", ["outage"]), waited
+            assert node.active_version() == "r1"
+            assert "after a storage failure" in node.log.read_text()
+        finally:
+            fleet.stop_all()
