@@ -78,9 +78,10 @@ def fetch_buckets(rx: Receiver, plan: ReplayPlan, baseline: Baseline, indexes: I
         killpoint("fetch.stopped")
 
 
-def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes: Indexes,
-           arrivals: Arrivals) -> Artifacts:
-    folders, jobs, reused, reused_files = {}, [], 0, []
+def _inventory(rx: Receiver, indexes: Indexes):
+    """Each revision's artifact folder, the files already complete in the cache (their bytes, by revision)
+    and the files to fetch with the tensors the index maps to each."""
+    folders, reused, reused_files = {}, 0, []
     version_bytes: dict[str, int] = {}
     missing: list[tuple[Manifest, str, str, Path, tuple[str, ...]]] = []
     for manifest in indexes.manifests:
@@ -100,6 +101,12 @@ def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes:
                 version_bytes[manifest.version] = version_bytes.get(manifest.version, 0) + size
             else:
                 missing.append((manifest, kind, name, folder, tuple(groups.get(name, ()))))
+    return folders, reused, reused_files, version_bytes, missing
+
+
+def _fetch(rx: Receiver, objects, plan: ReplayPlan, baseline: Baseline, indexes: Indexes,
+           arrivals: Arrivals) -> Artifacts:
+    folders, reused, reused_files, version_bytes, missing = _inventory(rx, indexes)
     sizes = _tensor_sizes(rx, baseline, indexes) if missing else None  # bounds only for what is fetched
     jobs = [_Job(manifest, kind, name, folder, _bound(manifest, tensors, sizes), tensors)
             for manifest, kind, name, folder, tensors in missing]
