@@ -14,7 +14,6 @@ come from the environment as they did for the run.
 from __future__ import annotations
 
 import shlex
-
 from typing import TYPE_CHECKING
 
 from flows.report import (

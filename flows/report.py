@@ -22,15 +22,15 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Iterator
 
 from storage.errors import RefitError, StoreError
-from storage.format.status import FAILED, INTERRUPTED, POISONED, READY, SKIPPED, SUCCEEDED, Status
+from storage.format.status import (  # noqa: F401  (the statuses, as this module always offered them)
+    FAILED, INTERRUPTED, POISONED, READY, SKIPPED, SUCCEEDED, Status,
+)
 
 if TYPE_CHECKING:  # annotations only: a command that runs no flow (status, --help) never loads the stages
     from tasks.receiver import Receiver
 
 log = logging.getLogger("canonical_refit.report")
 
-__all__ = ["READY", "FAILED", "POISONED", "SKIPPED", "INTERRUPTED", "Status", "RefitResult", "Attempt",
-           "OutcomeWatch", "watching", "current_watch", "build_result", "result_of", "print_result"]
 EXIT_CODES = {READY: 0, SKIPPED: 0, FAILED: 1, POISONED: 3, INTERRUPTED: 130}
 EXIT_USAGE = 2
 _PROGRESS_SPANS = {"seed": (0, 5), "seed verify": (5, 10), "fetch": (10, 50), "apply": (50, 90), "verify": (90, 99)}
@@ -102,7 +102,7 @@ def build_result(rx: Receiver, status: Status, error: BaseException | None = Non
     active, current = _readable(rx.store.active), _readable(rx.store.current)
     if status == READY and not activated and current is not None:
         identity = (current.version, current.target_digest, current.format_digest)
-    elif status in (READY, SKIPPED) and active is not None:
+    elif status in SUCCEEDED and active is not None:
         identity = (active.version, active.digest, active.format_digest)
     else:
         identity = (None, None, None)
