@@ -151,9 +151,11 @@ def _run(args, root: Path, log) -> dict:
         convergence_s = round(converged - watcher.started - faults_end, 2) if converged else None
         if converged:
             judge.start(latest, 30.0)  # one more barrier on the converged fleet: it must say reached
-        judge.join(wait_timeout)
+        judge.join(60.0 if converged else 5.0)  # a barrier still waiting on a fleet that did not converge: ended
         watcher.stop()
+        exited = fleet.exited_agents()
         result = _result(args, window_s, plan, publications, watcher, judge, recoveries, convergence_s, healed)
+        result.update(agents_exited=exited, ok=result["ok"] and not exited)
         result.update(wall_s=round(time.monotonic() - started, 1), load_average=load_average(),
                       where_at_end=watcher.where())
         (root / "result.json").write_text(json.dumps(result, indent=1))
@@ -230,6 +232,8 @@ def summary(result: dict) -> str:
         f"publications told the nodes: {sum(1 for p in result['publications'] if p['event_delivered'])} of "
         f"{len(result['publications'])}; recoveries: {len(result['recoveries'])}; wall {result['wall_s']:.0f}s",
     ]
+    for name, code in result.get("agents_exited", {}).items():
+        lines.append(f"  agent {name} exited by itself (exit {code})")
     for answer in result["wrong"]:
         lines.append(f"  wrong: {answer['how']} wait {answer['version']}: {answer['wrong']}")
     for node, episodes in result["false_ready"].items():

@@ -224,6 +224,11 @@ class ChaosFleet:
                                    f"{node.agent.diagnostics()}")
         return True
 
+    def exited_agents(self) -> dict[str, int]:
+        """Agents that are not running although no fault holds them down: node -> exit code."""
+        return {name: node.agent.proc.returncode for name, node in self.nodes.items()
+                if node.agent.proc is not None and node.agent.proc.poll() is not None and not node.lock.locked()}
+
     def __exit__(self, *exc) -> None:
         for node in self.nodes.values():
             node.agent.stop(timeout_s=10)

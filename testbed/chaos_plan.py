@@ -18,8 +18,9 @@ of it: ``before-publish`` (server, storage: the publication is made while
 it is down), ``wave`` (a drawn delay after the publication: the refits are
 running), ``installed`` (the node's engine reports the new version: its run
 has not written its record yet), ``recorded`` (the node's record claims the
-new version: the run is in its bookkeeping), ``idle`` (a drawn delay after
-``recorded``). The phase the node was really in when the fault fired (what
+new version: the run is in its bookkeeping; for the server and storage, the
+first node's record does, the others are still in their runs), ``idle`` (a
+drawn delay after ``recorded``). The phase the node was really in when the fault fired (what
 its engine reported and its record claimed) is kept with the fault.
 """
 
@@ -32,7 +33,8 @@ from dataclasses import asdict, dataclass, field
 
 KINDS = ("agent", "engine", "storage", "server")
 PHASES = {"agent": ("wave", "installed", "recorded", "idle"), "engine": ("wave", "installed", "recorded", "idle"),
-          "storage": ("before-publish", "wave", "idle"), "server": ("before-publish", "wave", "idle")}
+          "storage": ("before-publish", "wave", "recorded", "idle"),
+          "server": ("before-publish", "wave", "recorded", "idle")}
 
 
 @dataclass
@@ -144,7 +146,7 @@ class FaultRunner:
                 return track is not None and track.engine == version
             if track is not None:
                 return track.claim == version
-            return all(t.claim == version for t in self.watcher.tracks.values())
+            return any(t.claim == version for t in self.watcher.tracks.values())  # the others mid-run
 
         while not reached() and time.monotonic() < deadline:
             time.sleep(0.05)
