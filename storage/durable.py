@@ -173,9 +173,9 @@ class CopyReport:
     seconds: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, **bytes_by_method: int) -> None:
+    def add(self, files: int = 1, **bytes_by_method: int) -> None:
         with self._lock:
-            self.files += 1
+            self.files += files
             for method, nbytes in bytes_by_method.items():
                 setattr(self, method, getattr(self, method) + nbytes)
 
@@ -245,6 +245,19 @@ def link_file(src: Path, dst: Path, *, durable: bool = True, report: CopyReport 
     if report is not None:
         report.add(linked=size)
     return size
+
+
+def reflink_file(src: Path, dst: Path, *, report: CopyReport | None = None) -> bool:
+    """Make ``dst`` (new) a reflink of ``src`` (no bytes written); False, and no ``dst``, where the filesystem
+    cannot. Not fsynced: for copies whose record says their pages are not known to be on disk."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        done = _reflink(fin.fileno(), fout.fileno())
+    if not done:
+        os.unlink(dst)
+        return False
+    if report is not None:
+        report.add(reflinked=os.path.getsize(dst))
+    return True
 
 
 def _reflink(src_fd: int, dst_fd: int) -> bool:

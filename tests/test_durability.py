@@ -155,3 +155,46 @@ def test_a_flushed_mark_half_written_by_a_killed_process_is_swept_by_recovery(fl
         holder.release()
     assert not leftover.exists() and (flushed / "r1.json").is_file()
     assert any("temporary file" in line for line in done), done
+
+
+def _flip_a_byte_of_tensor_keeping_identity(folder: Path, tensor: str) -> None:
+    """Flip one byte in the middle of ``tensor``'s bytes (size and mtime kept)."""
+    import struct
+
+    for shard in sorted(folder.glob("*.safetensors")):
+        data = bytearray(shard.read_bytes())
+        (n,) = struct.unpack("<Q", data[:8])
+        entry = json.loads(data[8:8 + n]).get(tensor)
+        if entry is None:
+            continue
+        start, end = entry["data_offsets"]
+        st = shard.stat()
+        data[8 + n + (start + end) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return
+    raise AssertionError(f"{tensor} is in no shard of {folder}")
+
+
+def test_the_first_deltas_unsynced_copy_is_rebuilt_if_a_restart_lost_it(lab, monkeypatch, tmp_path):
+    """The copy of full/r0 that the first delta patches is not fsynced (docs/format.md 7.2, one copy of the
+    model): its record says unflushed, like the patched pages. A byte of a tensor the delta did not change
+    (a copied page, never patched) lost across a restart before the write-back is found and rebuilt; the
+    seed, its weights hard-linked, was fsynced and stays trusted."""
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-a")
+    lab.publish("initial")
+    frozen = "model.embed_tokens.weight"
+    lab.publish("delta", lab.next_step(skip=(frozen,)))
+    engine = cs.RecordingEngine(tmp_path / "engine.json")
+    assert lab.run(engine, target="r1").status == "READY"
+    wait_for_flushes(60)
+    assert _verified(lab, "r0")["flushed"] is True and _verified(lab, "r0")["boot_id"] == "boot-a"
+    _as_if_power_failed_before_the_flush(lab, "r1")
+    _flip_a_byte_of_tensor_keeping_identity(lab.store_root / "materialized" / "r1", frozen)
+    monkeypatch.setenv("CANONICAL_REFIT_BOOT_ID", "boot-b")
+    result = lab.run(engine, target="r1")
+    assert result.status == "READY", result.error
+    assert any("forgot r1" in note and "restart" in note for note in result.notes), result.notes
+    assert not any("forgot r0" in note for note in result.notes), result.notes
+    lab.assert_checkpoint(Path(result.checkpoint_path), "r1")
+    assert all(load["bytes"] == independent_digest(lab.expected(load["version"]))[1] for load in engine.loads())

@@ -75,6 +75,19 @@ def test_a_fresh_node_writes_its_model_once_and_ends_ready_byte_exact(tmp_path):
     assert store.verified("r0") is not None and store.verified("r0").flushed
 
 
+def test_a_fresh_node_catching_up_over_several_deltas_still_writes_once(tmp_path):
+    """Three deltas folded into the first copy (each tensor copied once, then patched by every step)."""
+    lab = _published(tmp_path / "lab")
+    for _ in range(2):
+        lab.publish("delta", lab.next_step(fraction=0.02))
+    model_bytes = sum(p.stat().st_size for p in _weights(lab.launch))
+    run = first_refit(_params(lab, target="r3"), tmp_path / "job")
+    assert run["status"] == "READY" and run["version"] == "r3", run["error"]
+    assert run["write_bytes"] <= 1.15 * model_bytes, (run["write_bytes"], model_bytes)  # three deltas downloaded
+    lab.assert_checkpoint(Path(run["checkpoint_path"]), "r3")
+    assert LocalStore(lab.cache, lab.model).current().version == "r3"
+
+
 def test_the_fallback_copies_where_the_seed_may_not_link_and_says_so(tmp_path):
     lab = _published(tmp_path / "lab")
     model_bytes = sum(p.stat().st_size for p in _weights(lab.launch))

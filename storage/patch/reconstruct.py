@@ -1,10 +1,11 @@
 """Turn a verified base and cached delta artifacts into a verified target checkpoint.
 
 ``materialize`` marks the store ``UPDATING``, takes over (rename) the base's
-materialized folder or copies an immutable full checkpoint once (reflink where
-the filesystem can, else ``copy_file_range``; not fsynced: the patched
-checkpoint is recorded unflushed and written back after ``READY``), and patches
-it in place. ``verify_target`` computes the snapshot digest from the base's
+materialized folder or copies an immutable full checkpoint once (a reflink
+where the filesystem can, else each tensor copied as it is patched, so each
+page is written once: ``storage.patch.first_copy``; not fsynced: the patched
+checkpoint is recorded unflushed and written back after ``READY``), and
+patches it in place. ``verify_target`` computes the snapshot digest from the base's
 verified checksums plus the checksums computed while patching, checks it
 against the catalog, and only then records the checkpoint and marks ``READY``.
 ``roll_back`` brings the last verified checkpoint back after a failure that
@@ -25,7 +26,7 @@ from storage.catalog.records import Revision, parse_revision
 from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.format.digests import snapshot_digest
 from storage.durable import (
-    CopyReport, boot_id, copy_tree_files, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size,
+    CopyReport, boot_id, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size,
 )
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
@@ -33,6 +34,7 @@ from storage.errors import (
 from storage.killpoints import killpoint
 from storage.store.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
 from storage.catalog.manifests import Manifest, parse_delta_manifest
+from storage.patch.first_copy import CopyAsPatched, reflinks
 from storage.patch.patcher import PlanSource, StaticPlans, apply_patches, plan_patches
 
 log = logging.getLogger("canonical_refit.reconstruct")
@@ -106,9 +108,7 @@ def materialize(
     state = store.state()
     takeover = base.path.startswith("materialized/")
     if check_space:  # the disk, before the first in-place change: the copy, the records, the rollback's reserve
-        records = store.records_bytes(base)
-        store.reserve_rollback(writes=(0 if takeover else tree_size(base_path)) + records, rollback=records,
-                               revision=target.version, what=f"materializing {target.version} from {base.version}")
+        _reserve(store, base, base_path, target, takeover)
     try:
         store.begin_update(target.version, target_dir, state.version if state else None)
     except BaseException:
@@ -119,14 +119,14 @@ def materialize(
     undone = False
     try:
         remove_tree(target_dir)
-        copied, placed = 0, None
+        placed = lazy = None
         if takeover:
             store.release_base(base.version)
             os.rename(base_path, target_dir)
             fsync_dir(target_dir.parent)
         else:
-            placed = copy_base(store, base, target_dir, workers=workers, stop=stop)
-            copied = placed.total
+            placed, lazy = copy_base(store, base, base_index, target_dir, source, stop=stop)
+            source = lazy or source
         killpoint("apply.materialized")
         index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
         try:
@@ -134,9 +134,14 @@ def materialize(
                                     progress=progress(source.total_bytes()) if progress else None,
                                     undo_to=base.checksums if takeover else None, undo_format=base.checksum_format,
                                     stop=stop)
+            if lazy is not None:
+                finish_copy(store, base, target_dir, lazy, placed, workers=workers)
         except BaseException as exc:
             undone = bool(getattr(exc, "undone", False))
             raise
+        finally:
+            if lazy is not None:
+                lazy.close()
     except RefitError as exc:
         exc.mutation_started = True
         exc.rollback = Rollback(base, target_dir, takeover, undone)
@@ -149,33 +154,60 @@ def materialize(
     except BaseException as exc:  # an interrupt in the calling thread: still say how to put things back
         exc.rollback = Rollback(base, target_dir, takeover, undone)
         raise
-    return Materialized(target.version, target_dir, base, patched, chain, copied,
+    return Materialized(target.version, target_dir, base, patched, chain, placed.total if placed else 0,
                         sum(base_index.tensors[n].nbytes for n in patched), placed=placed)
 
 
-def copy_base(store: LocalStore, base: VerifiedCheckpoint, target_dir: Path, *, workers: int,
-              stop: StopToken | None = None) -> CopyReport:
-    """Copy an immutable full checkpoint into ``target_dir`` (through ``tmp/``) for patching; inside ``UPDATING``.
+def _reserve(store: LocalStore, base: VerifiedCheckpoint, base_path: Path, target: Revision, takeover: bool) -> None:
+    records = store.records_bytes(base)
+    store.reserve_rollback(writes=(0 if takeover else tree_size(base_path)) + records, rollback=records,
+                           revision=target.version, what=f"materializing {target.version} from {base.version}")
+
+
+def copy_base(store: LocalStore, base: VerifiedCheckpoint, base_index: CheckpointIndex, target_dir: Path,
+              source: PlanSource, *, stop: StopToken | None = None) -> tuple[CopyReport, CopyAsPatched | None]:
+    """Lay out the copy of an immutable full checkpoint at ``target_dir`` (through ``tmp/``); inside ``UPDATING``.
 
     The one copy a fresh node's model gets (its seed links the launch
-    snapshot): reflinked where the filesystem can, else ``copy_file_range``;
-    never hard-linked, since these files are about to be patched in place.
-    The files are not fsynced here: the patched checkpoint is recorded with
+    snapshot), never a hard link (these files are patched next): a reflink of
+    every file where the filesystem can (complete at once); else a
+    ``CopyAsPatched`` that wraps ``source`` and copies each tensor as it is
+    taken for patching, then the rest (``finish_copy``), so that each page is
+    written once. Not fsynced: the patched checkpoint is recorded
     ``flushed=False`` and written back after ``READY`` (``storage.store.flush``),
     like its patched pages, and a crash before ``READY`` discards the folder.
     """
-    report = CopyReport()
+    base_path = store.absolute(base.path)
+    report, lazy = CopyReport(), None
     staging = store.staging(f"materialize-{target_dir.name}")
     try:
-        copy_tree_files(store.absolute(base.path), staging, workers=workers, stop=stop, durable=False,
-                        report=report)
+        if not reflinks(base_path, staging, report):
+            remove_tree(staging)
+            report = CopyReport()
+            lazy = CopyAsPatched(source, base_index, base_path, target_dir, report=report, stop=stop)
+            lazy.begin(staging)
         staging.rename(target_dir)
     finally:
         remove_tree(staging)
     fsync_dir(target_dir.parent)
-    log.info("copied %s (%s) into %s for patching: %s", base.version, base.path, store.relative(target_dir),
-             report.summary(), extra={"copy": report.as_dict() | {"what": "materialize", "version": base.version}})
-    return report
+    if lazy is None:
+        _log_copy(store, base, target_dir, report, "reflinked")
+    else:
+        lazy.open()
+    return report, lazy
+
+
+def finish_copy(store: LocalStore, base: VerifiedCheckpoint, target_dir: Path, lazy: CopyAsPatched,
+                report: CopyReport, *, workers: int) -> None:
+    """After patching: copy what no delta touched, and log how the copy was made (bytes, seconds)."""
+    lazy.finish(workers)
+    report.seconds = lazy.copy_seconds()
+    _log_copy(store, base, target_dir, report, "copied as it was patched")
+
+
+def _log_copy(store: LocalStore, base: VerifiedCheckpoint, target_dir: Path, report: CopyReport, how: str) -> None:
+    log.info("%s %s (%s) into %s: %s", how, base.version, base.path, store.relative(target_dir), report.summary(),
+             extra={"copy": report.as_dict() | {"what": "materialize", "version": base.version}})
 
 
 def roll_back(store: LocalStore, error: BaseException, previous: str | None, *, workers: int,
