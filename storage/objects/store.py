@@ -28,12 +28,12 @@ from typing import Callable, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+import storage.objects.conditional as conditional
 import storage.objects.transfer as transfer
 from storage.durable import atomic_write_bytes, copy_bytes, create_only_write
 from storage.errors import (
     RefitError, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
-from storage.objects import conditional
 from storage.objects.budget import ConnectionBudget
 from storage.objects.classify import classify, local_error
 from storage.objects.multipart import S3Multipart, upload_parts
