@@ -21,9 +21,9 @@ import pytest
 from flows import api
 from flows.cli import main as refit_cli
 from flows.fleet import fleet_status
-from storage.catalog.nodes import FormatError, NodeRecord, nodes_url, scan_node_records, write_node_record
+from storage.catalog.nodes import NodeRecord, nodes_url, scan_node_records, write_node_record
 from storage.durable import folder_identity
-from storage.errors import StoreError
+from storage.errors import FormatError, StoreError
 from storage.format.status import DRIFTED, READY, STARTED, Status
 from storage.objects.store import ObjectStore
 from storage.store.local_store import LocalStore
