@@ -1,9 +1,9 @@
-"""Fetch and apply together: buckets are applied as soon as they have arrived and been validated.
+"""Fetch and apply together: buckets are applied as soon as they have arrived and been checked.
 
 ``Arrivals`` is the hand-off between the fetch stage (which announces each
 file once it is downloaded, size-checked and recorded in the artifact cache)
 and the apply stage (which waits for exactly the files each tensor needs).
-``ArrivingPlans`` is the apply side: a ``PlanSource`` that validates each
+``ArrivingPlans`` is the apply side: a ``PlanSource`` that checks each
 bucket once, on arrival, and hands out a tensor's plan when all its buckets
 (one per delta that changed it) are in.
 """
@@ -175,7 +175,7 @@ class ArrivingPlans:
 
     def _setup(self, deltas, folders, checkpoint, arrivals, workers) -> None:
         self._deltas, self._folders, self._checkpoint = list(deltas), folders, checkpoint
-        self._workers = workers  # threads validating a bucket's frames
+        self._workers = workers  # threads checking a bucket's frames
         self._arrivals = arrivals
         self._needs: dict[str, list[tuple[int, str]]] = {}
         rank: dict[tuple[int, str], int] = {}
@@ -282,7 +282,7 @@ class ArrivingPlans:
         return sum(self._checkpoint[t].nbytes * len(needs) for t, needs in self._needs.items())
 
     def plan(self, name: str) -> TensorPlan:
-        done = self._steps  # a validated bucket's steps are read without its lock (set once, never changed)
+        done = self._steps  # a checked bucket's steps are read without its lock (set once, never changed)
         steps = []
         for key in self._needs[name]:
             bucket = done.get(key)
@@ -293,11 +293,13 @@ class ArrivingPlans:
         self._arrivals.cancel()
 
     def prepare(self) -> None:
-        """Before the store changes: wait for the first tensor's buckets and validate every bucket already in.
+        """Before the store changes: wait for the first tensor's buckets and check every bucket already in.
 
-        Whatever can be rejected without waiting for later downloads is thus
-        rejected with the store untouched; only buckets still downloading are
-        validated after patching has begun.
+        What a bucket's check can reject without waiting for later downloads
+        (``bucket_steps``: headers, metadata, checksums, frame structure) is
+        thus rejected with the store untouched; buckets still downloading are
+        checked after patching has begun, and every record is validated as it
+        is decoded to be applied (a rejection then undoes what was patched).
         """
         if self._needs:
             with self._take_lock:
