@@ -325,3 +325,21 @@ def test_a_publisher_refuses_a_payload_url_in_another_kind_of_storage(tmp_path):
     beside = PublishParams(catalog=str(tmp_path / "catalog"), model=MODEL, checkpoint=tmp_path,
                            payload_url=str(tmp_path / "payload"))
     assert beside.payload_url == str(tmp_path / "payload")
+
+
+def test_a_named_revision_missing_from_a_catalog_with_no_readable_record_is_a_storage_failure(tmp_path):
+    """A catalog whose storage is gone (a file:// mount unmounted) cannot say a revision is not in it: the
+    refit of a named target fails on storage (retried by the agent, never counted as a rejection by wait)."""
+    from storage.catalog.nodes import STORAGE_FAILURE, CONTENT_FAILURE, failure_kind
+    from storage.errors import ObjectNotFound
+
+    present = Catalog(ObjectStore(), str(tmp_path / "catalog"), MODEL)
+    present.write(parse_revision(initial(), version="r0", model=MODEL, file="r0.json"))
+    with pytest.raises(CatalogError, match="revision r9 is not in the catalog") as refused:
+        present.resolve("r9")
+    assert failure_kind(refused.value) == CONTENT_FAILURE
+    gone = Catalog(ObjectStore(), str(tmp_path / "unmounted"), MODEL)
+    with pytest.raises(ObjectNotFound, match="holds no readable record") as missing:
+        gone.resolve("r9")
+    assert missing.value.revision == "r9"
+    assert failure_kind(missing.value) == STORAGE_FAILURE

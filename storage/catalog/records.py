@@ -271,6 +271,10 @@ class Catalog(SequenceClaims):
             return self.read(target)
         except ObjectNotFound:
             records = self._recent(8)
+            if not records:  # nothing readable at all: the catalog's storage is gone or out, no revision refused
+                raise ObjectNotFound(f"revision {target} is not in the catalog {self.url}, which holds no readable "
+                                     "record (is its storage available?)", revision=target,
+                                     file=self.record_url(target)) from None
             known = ", ".join(r.version for r in records) or "none"
             latest = records[-1].version if records else "none"
             raise CatalogError(f"revision {target} is not in the catalog {self.url} (its latest is {latest}; "
