@@ -371,7 +371,8 @@ def print_view(view: FleetView, stale_after_s: float | None = None) -> None:
     print(f"{'node':<24}{'version':<12}{'store':<12}{'condition':<13}{'age':>8}  engines / last error")
     for r in view.nodes:
         engines = ", ".join(f"{url} {version or '?'}" for url, version in sorted(r.engines.items()))
-        detail = "; ".join(x for x in (engines, r.error or "") if x)
+        error = f"storage error, retrying: {r.error}" if r.error and r.storage_failure else r.error or ""
+        detail = "; ".join(x for x in (engines, error) if x)
         print(f"{r.node:<24}{r.version or '-':<12}{r.store_version or '-':<12}{r.condition(stale_after_s):<13}"
               f"{_age(r.age_s):>8}  {detail[:100]}")
     for problem in view.problems:

@@ -75,6 +75,9 @@ def test_a_refit_that_failed_while_file_storage_was_out_is_retried_once_it_is_ba
     assert fleet_main(["wait", "--catalog", lab.catalog, "--model", lab.model, "--version", "r2",
                        "--timeout", "0.3", "--poll", "0.1"]) == 1
     assert "behind (storage error, retrying): gpu1 (r2): " in capsys.readouterr().out.splitlines()[-1]
+    assert fleet_main(["status", "--catalog", lab.catalog, "--model", lab.model]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("gpu1"))
+    assert "FAILED" in row and "storage error, retrying: " in row  # the status view says the same
 
     (lab.root / "revisions.out").rename(payload)  # storage is back
     watch = node_report.HeadWatch(lab.refit_params(node="gpu1"))
