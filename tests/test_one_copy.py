@@ -169,3 +169,21 @@ def test_kill_9_during_the_seed_or_the_first_copy_recovers(world, tmp_path, kill
     for path in _weights(world.lab.launch):
         assert os.path.samefile(store / "full" / "r0" / path.name, path)
     assert cs.check_recovered(world, tmp_path / "store", "r1") == []
+
+
+def test_the_benchmark_command_reports_both_goals(tmp_path):
+    """``python -m benchmarks.one_copy`` at a tiny size: every run byte-exact, the bytes goal judged per run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "one_copy.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.one_copy", "--size-mb", "8", "--repeat", "1",
+                           "--workdir", str(tmp_path), "--json", str(out)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["label"] for r in result["runs"]] == ["links", "copy"]
+    assert result["goals"]["byte_exact"] is True
+    links, copy = result["runs"]
+    assert links["written_over_model"] <= 1.1 < copy["written_over_model"], (links, copy)
+    assert "goal: bytes written" in done.stdout and "goal: placement throughput" in done.stdout
