@@ -21,7 +21,8 @@ It runs no model: a load reads every ``*.safetensors`` header under the path
 and checks that each tensor's bytes are in the file (a folder that is not a
 checkpoint is refused with 400, nothing changed). Like every SGLang restart,
 starting it again brings it back on its launch weights (``--model-path``),
-``weight_version`` "default": that is how a drift is tried. A malformed body
+``weight_version`` "default": that is how a drift is tried (started while the
+old process still holds the port, it waits up to 10 s for it). A malformed body
 gets FastAPI's 422. ``--load-seconds S`` makes each load take S seconds, as a
 real engine's does: killing it meanwhile is how a poisoned node is tried.
 The in-engine loader (``--installer sglang``) needs SGLang itself; the
@@ -34,6 +35,7 @@ loaded into a small model and faults to inject.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import signal
@@ -92,7 +94,7 @@ class EngineStandIn:
             def do_POST(self):
                 engine._handle(self, "POST")
 
-        self._server = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._server = _bind((self.host, self.port), Handler)
         self._server.daemon_threads = True
         host, port = self._server.server_address[:2]
         self._url = f"http://{host}:{port}"
@@ -253,6 +255,18 @@ class EngineStandIn:
                 self.weight_version = body["weight_version"]
                 message += f" Weight version updated to {self.weight_version}."
         return 200, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+def _bind(address: tuple[str, int], handler, wait_s: float = 10.0) -> ThreadingHTTPServer:
+    """The server on ``address``; a port still held by a stand-in that is exiting (a restart) is waited for."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return ThreadingHTTPServer(address, handler)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def checkpoint_problem(folder: Path) -> str | None:
