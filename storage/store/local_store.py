@@ -1,22 +1,7 @@
 """The receiver's local checkpoint store, and the one place its state changes.
 
-One folder per model, laid out so a person can inspect it with ``ls`` and
-``cat``; every state file is small JSON written atomically and durably
-(``storage/durable.py``)::
-
-    state.json            status (READY/UPDATING) of the current prepared checkpoint
-    active.json           identity of what the engine runs
-    poisoned.json         present while the engine may hold partial weights (and how to re-install)
-    full/{v}/             immutable full checkpoints (launch snapshot, full revisions)
-    full/{v}.source.json  where a full artifact came from, and its files' identity
-    deltas/{v}/           immutable downloaded delta artifacts (index + buckets)
-    deltas/{v}.source.json
-    materialized/{v}/     the mutable checkpoint reconstructed for a delta revision
-    chains/{v}.json       how to rebuild {v}: its full version and deltas
-    verified/{v}.json     digests, per-tensor checksums and file identity of a verified checkpoint
-    catalog/{v}.json      memo of immutable catalog records
-    tmp/                  staging of copies; an update's rollback reserve (cleared on recovery)
-    lock                  the fcntl lock file
+Its folders and files are listed in ``storage/store/layout.py`` (``StoreLayout``); free disk
+space and the rollback reserve are in ``storage/store/capacity.py`` (``StoreCapacity``).
 
 States and the named steps that move between them (``docs/format.md``)::
 
@@ -40,16 +25,15 @@ under the exclusive store lock; ``activate`` and ``mark_poisoned`` under the
 shared one (the installation fence). A kill at any instant leaves files that
 ``recover`` turns back into a trustworthy state.
 
-It is one module of about 500 lines on purpose: the state machine's transitions are its
-methods, in one place, so that nothing else in the project can change the store's state.
+The transitions are this module's methods, in one place, so that nothing else in the project
+can change the store's state; where its files are (``StoreLayout``) and how much disk an update
+may use (``StoreCapacity``) are the base classes ``LocalStore`` extends, and change no state.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import stat
-import threading
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable
@@ -57,44 +41,22 @@ from typing import Callable
 from storage.store import launch_files
 from storage.durable import (
     atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, read_json_file,
-    remove_tree, temp_name, tree_size,
+    remove_tree, tree_size,
 )
-from storage.errors import CapacityError, Cancelled, InstallError, Interrupted, RefitError, StoreError
+from storage.errors import Cancelled, InstallError, Interrupted, RefitError, StoreError
 from storage.killpoints import killpoint
-from storage.store.locks import StoreLock
+from storage.store.capacity import RESERVE_FLOOR_BYTES, StoreCapacity  # noqa: F401  (re-exported)
+from storage.store.layout import (  # noqa: F401  (re-exported: the layout was part of this module)
+    _CHECKPOINT_FOLDERS, _FOLDERS, _ROOT_FILES, StoreLayout, _entries, _unlink_if_link, _VerifiedMemo,
+)
+from storage.store.locks import StoreLock  # noqa: F401  (re-exported)
 from storage.store.records import (  # noqa: F401  (the records are part of the store's interface)
     READY, UPDATING, ActiveIdentity, Chain, PoisonedMark, StoreState, VerifiedCheckpoint, now_ms, read_record,
     store_folder_name,
 )
 
 log = logging.getLogger("canonical_refit.store")
-_FOLDERS = ("full", "deltas", "materialized", "chains", "verified", "flushed", "catalog", "tmp")
-_CHECKPOINT_FOLDERS = ("full", "deltas", "materialized")  # folders of folders of files
-_ROOT_FILES = ("state.json", "active.json", "poisoned.json", "installing.json", launch_files.RECORD,
-               launch_files.FOLDER)  # never links (the installers' ``current`` link is theirs, and kept)
 
-
-def _unlink_if_link(path: Path) -> int:
-    """Remove ``path`` if it is a link (1), else leave it (0): a link in the cache is removed, never followed."""
-    try:
-        if not stat.S_ISLNK(os.lstat(path).st_mode):
-            return 0
-        os.unlink(path)
-    except FileNotFoundError:
-        return 0
-    log.warning("removed %s: a link inside the store (the store never follows links)", path)
-    return 1
-
-
-def _entries(folder: Path) -> list[os.DirEntry]:
-    """The entries of a real folder (none when it is missing or a link)."""
-    try:
-        if os.path.islink(folder):
-            return []
-        with os.scandir(folder) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 def _labelled_files(record: dict) -> dict:
     """A record as ``status`` prints it: each file's identity as ``{"size", "mtime_ns"}`` (on disk, a pair)."""
@@ -102,13 +64,9 @@ def _labelled_files(record: dict) -> dict:
     return record | {"files": {name: {"size": size, "mtime_ns": mtime} for name, (size, mtime) in files.items()}}
 
 
-RESERVE_FLOOR_BYTES = 1 << 20  # the smallest rollback reserve: a few state files, each at least one block
-
-
-class LocalStore:
-    """Paths, records and transitions of one model's local store."""
-
-    _reserve: Path | None = None  # this process's rollback reserve (``reserve_rollback``), while it is held
+class LocalStore(StoreCapacity):
+    """The records and transitions of one model's local store (its paths and locks: ``StoreLayout``; its
+    disk space: ``StoreCapacity``)."""
 
     def __init__(self, cache_dir: Path, model: str, *, quota_bytes: int = 500 * 10**9, create: bool = True):
         if quota_bytes <= 0:
@@ -119,152 +77,6 @@ class LocalStore:
         self._verified_memo = _VerifiedMemo()  # records parsed by this store object (one run's)
         if create:
             self.create()
-
-    def create(self) -> None:
-        """Make the store's folders (the first run on a host does this under its lock).
-
-        The cache is closed: a link where the store's folder, one of its folders or one of its state files
-        should be is removed (never followed) before anything is created or read through it.
-        """
-        self.unlink_root_link()
-        self.root.mkdir(parents=True, exist_ok=True)
-        for name in _ROOT_FILES:
-            _unlink_if_link(self.root / name)
-        for sub in _FOLDERS:
-            path = self.root / sub
-            _unlink_if_link(path)
-            path.mkdir(exist_ok=True)
-
-    def unlink_root_link(self) -> None:
-        """A link where the store's own folder should be is removed: nothing is created or locked through it."""
-        _unlink_if_link(self.root)
-
-    def scrub_links(self) -> int:
-        """Remove every link planted inside the store's folders (and inside each checkpoint and artifact
-        folder), so nothing the store reads, writes, renames or deletes is reached through one; returns how
-        many were removed. One ``scandir`` per folder: a link is seen in the entry's type, with no extra call."""
-        count = 0
-        for sub in _FOLDERS:
-            for entry in _entries(self.root / sub):
-                if entry.is_symlink():
-                    count += _unlink_if_link(Path(entry.path))
-                elif sub in _CHECKPOINT_FOLDERS and entry.is_dir(follow_symlinks=False):
-                    count += sum(_unlink_if_link(Path(inner.path)) for inner in _entries(Path(entry.path))
-                                 if inner.is_symlink())
-        launch = self.root / launch_files.FOLDER
-        count += sum(_unlink_if_link(Path(e.path)) for e in _entries(launch) if e.is_symlink())
-        return count
-
-    def contains(self, path: Path) -> bool:
-        """True if ``path`` lies strictly inside the store and no folder between the store and it is a link:
-        what the store may delete or rename."""
-        path = Path(os.path.normpath(path))
-        try:
-            relative = path.relative_to(self.root)
-        except ValueError:
-            return False
-        if not relative.parts or ".." in relative.parts:
-            return False
-        folder = self.root
-        for part in relative.parts[:-1]:
-            folder = folder / part
-            if os.path.islink(folder):
-                return False
-        return True
-
-    def remove_inside(self, path: Path) -> None:
-        """``remove_tree(path)`` for a path inside the store only (a link there is unlinked, not followed)."""
-        if not self.contains(path):
-            raise StoreError("refusing to remove a path outside the store (or reached through a link)",
-                             local_file=str(path))
-        remove_tree(path)
-
-    @property
-    def exists(self) -> bool:
-        return self.root.is_dir()
-
-    def pristine(self) -> bool:
-        """True if nothing was ever stored here: only the lock file and empty folders."""
-        for entry in os.scandir(self.root):
-            if entry.is_dir(follow_symlinks=False):
-                if any(os.scandir(entry.path)):
-                    return False
-            elif entry.name != "lock":
-                return False
-        return True
-
-    # -- paths --------------------------------------------------------------------------
-
-    @property
-    def state_path(self) -> Path:
-        return self.root / "state.json"
-
-    @property
-    def active_path(self) -> Path:
-        return self.root / "active.json"
-
-    @property
-    def poisoned_path(self) -> Path:
-        return self.root / "poisoned.json"
-
-    @property
-    def catalog_dir(self) -> Path:
-        return self.root / "catalog"
-
-    @property
-    def tmp_dir(self) -> Path:
-        return self.root / "tmp"
-
-    def full_dir(self, version: str) -> Path:
-        return self.root / "full" / version
-
-    def delta_dir(self, version: str) -> Path:
-        return self.root / "deltas" / version
-
-    def materialized_dir(self, version: str) -> Path:
-        return self.root / "materialized" / version
-
-    def _verified_path(self, version: str) -> Path:
-        return self.root / "verified" / f"{version}.json"
-
-    def _chain_path(self, version: str) -> Path:
-        return self.root / "chains" / f"{version}.json"
-
-    def staging(self, label: str) -> Path:
-        """A new folder name under ``tmp/`` that belongs to this process (its creator removes it on failure)."""
-        return self.tmp_dir / temp_name(label)
-
-    def relative(self, path: Path) -> str:
-        return str(Path(path).relative_to(self.root))
-
-    def absolute(self, relative: str) -> Path:
-        return self.root / relative
-
-    # -- locks --------------------------------------------------------------------------
-
-    def exclusive(self, timeout_s: float, what: str = "preparation", stop=None) -> StoreLock:
-        self.unlink_root_link()  # the lock file is never created through a link
-        return StoreLock(self.root / "lock", exclusive=True, timeout_s=timeout_s, what=what, stop=stop)
-
-    def shared(self, timeout_s: float, what: str = "installation", stop=None) -> StoreLock:
-        self.unlink_root_link()
-        return StoreLock(self.root / "lock", exclusive=False, timeout_s=timeout_s, what=what, stop=stop)
-
-    # -- reading ------------------------------------------------------------------------
-
-    def state(self) -> StoreState | None:
-        return read_record(StoreState, self.state_path)
-
-    def active(self) -> ActiveIdentity | None:
-        return read_record(ActiveIdentity, self.active_path)
-
-    def poisoned(self) -> PoisonedMark | None:
-        mark = read_record(PoisonedMark, self.poisoned_path)
-        return replace(mark, engine_urls=tuple(mark.engine_urls)) if mark is not None else None
-
-    def chain(self, version: str) -> Chain | None:
-        chain = read_record(Chain, self._chain_path(version))
-        return replace(chain, deltas=tuple(chain.deltas)) if chain is not None else None
 
     def verified(self, version: str, *, check_files: bool = True) -> VerifiedCheckpoint | None:
         """The verified record of ``version`` if its files are unchanged and trusted, else None.
@@ -280,13 +92,6 @@ class LocalStore:
         if check_files and (not record.trusted or not self.files_match(record.path, record.files)):
             return None
         return record
-
-    def files_match(self, relative: str, files: dict) -> bool:
-        folder = self.absolute(relative)
-        try:
-            return folder.is_dir() and folder_identity(folder) == files
-        except FileNotFoundError:
-            return False
 
     def inventory(self) -> dict[str, VerifiedCheckpoint]:
         """Every verified checkpoint whose files are intact, by version."""
@@ -327,75 +132,6 @@ class LocalStore:
             "bytes": tree_size(self.root),
             "quota_bytes": self.quota_bytes,
         }
-
-    # -- free disk space and the rollback reserve ---------------------------------------------------
-
-    def free_bytes(self) -> int:
-        """Bytes this process may still allocate on the filesystem holding the store (root may use the blocks
-        ext4 reserves for it, so ENOSPC comes at ``f_bfree`` for root, at ``f_bavail`` for anyone else)."""
-        st = os.statvfs(self.root)
-        return (st.f_bfree if os.geteuid() == 0 else st.f_bavail) * st.f_frsize
-
-    def records_bytes(self, base: VerifiedCheckpoint | None) -> int:
-        """At most what one checkpoint's records take while being replaced: its verified record, chain,
-        ``state.json`` and ``active.json``, each twice (the temporary file beside the old one), rounded up to
-        whole blocks; at least ``RESERVE_FLOOR_BYTES``."""
-        sizes = [self._verified_path(base.version), self._chain_path(base.version)] if base is not None else []
-        total = 0
-        for path in sizes + [self.state_path, self.active_path]:
-            try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                size = 0
-            total += 2 * (size + 2 * 4096)
-        return max(RESERVE_FLOOR_BYTES, total)
-
-    def reserve_rollback(self, *, writes: int, rollback: int, revision: str, what: str) -> None:
-        """Before the first in-place change: check the disk, then hold ``rollback`` bytes for the rollback.
-
-        Raises ``CapacityError`` (nothing changed) unless ``writes + rollback`` bytes are free on the
-        store's filesystem. The rollback bytes are allocated to a reserve file under ``tmp/``
-        (``posix_fallocate``), so a disk that fills up during the update cannot take them;
-        ``release_reserve`` deletes it right before the rollback (or the committed update) writes.
-        A killed process's reserve is a temporary file of another process: the next ``recover`` sweeps it.
-        """
-        self.release_reserve()
-        free = self.free_bytes()
-        needed = writes + rollback
-        if free < needed:
-            raise self._capacity(what, revision, needed, free, writes, rollback)
-        path = self.tmp_dir / temp_name("rollback-reserve")
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, max(1, rollback))
-            finally:
-                os.close(fd)
-        except OSError as exc:  # ENOSPC between the check and the allocation: still nothing changed
-            path.unlink(missing_ok=True)
-            raise self._capacity(what, revision, needed, self.free_bytes(), writes, rollback) from exc
-        self._reserve = path
-
-    def release_reserve(self) -> int:
-        """Delete this process's rollback reserve (its blocks become free); returns the bytes it held."""
-        path, self._reserve = self._reserve, None
-        if path is None:
-            return 0
-        try:
-            size = os.stat(path).st_size
-            os.unlink(path)
-        except FileNotFoundError:
-            return 0
-        return size
-
-    def _capacity(self, what: str, revision: str, needed: int, free: int, writes: int,
-                  rollback: int) -> CapacityError:
-        error = CapacityError(
-            f"not enough free disk space for {what}: it needs {needed:,} bytes free ({writes:,} to write, "
-            f"{rollback:,} reserved so that a rollback never needs new blocks) and the filesystem has {free:,}; "
-            "free disk space on that filesystem (nothing was changed)", revision=revision, file=str(self.root))
-        error.needed_bytes, error.free_bytes = needed, free
-        return error
 
     # -- transitions of the prepared checkpoint (exclusive lock) ----------------------------------
 
@@ -461,9 +197,6 @@ class LocalStore:
             return False
         atomic_write_json(self._flushed_path(current.version), {"files": current.files})
         return True
-
-    def _flushed_path(self, version: str) -> Path:
-        return self.root / "flushed" / f"{version}.json"
 
     def _flushed_mark(self, version: str) -> dict | None:
         try:
@@ -689,39 +422,3 @@ class LocalStore:
             self._write_state(StoreState(READY, None))
 
 
-class _VerifiedMemo:
-    """``read_record(VerifiedCheckpoint, path)``, parsed again only when the file changed.
-
-    A verified record holds a checksum per tensor (at 92k tensors 6 MB of JSON, about 60 ms to parse and
-    validate) and one refit reads the same two or three records about twenty times (recovery, inventory,
-    current, install, activate, its report). A parsed record is kept while its file's identity (device,
-    inode, size, modification and change times to the nanosecond) is unchanged: records are replaced by an
-    atomic rename (a new inode), so a rewritten or restored file is parsed again. It lives as long as its
-    ``LocalStore`` (one run's) and keeps at most ``MAX`` records.
-    """
-
-    MAX = 4
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._known: dict[str, tuple[tuple, VerifiedCheckpoint]] = {}  # path -> (identity, record), newest last
-
-    def read(self, path: Path) -> VerifiedCheckpoint | None:
-        key = str(path)
-        try:
-            info = os.stat(path)
-        except OSError:
-            return read_record(VerifiedCheckpoint, path)  # absent (None) or unreadable (its typed error)
-        identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
-        with self._lock:
-            known = self._known.get(key)
-        if known is not None and known[0] == identity:
-            return known[1]
-        record = read_record(VerifiedCheckpoint, path)
-        if record is not None:
-            with self._lock:
-                self._known.pop(key, None)
-                self._known[key] = (identity, record)
-                while len(self._known) > self.MAX:
-                    self._known.pop(next(iter(self._known)))
-        return record
