@@ -221,18 +221,23 @@ def stage_delta(
                     flush()
                 bucket.append((name, encoded.frame, encoded.checksum))
                 bucket_decoded += nbytes
-                payload.changed.append(name)
-                payload.checksums[name] = encoded.checksum
-                payload.decoded_bytes += nbytes
-                payload.encoded_bytes += len(encoded.frame)
-                if encoded.changed_bytes is not None:
-                    payload.changed_bytes = (payload.changed_bytes or 0) + encoded.changed_bytes
+                _count_changed(payload, name, encoded, nbytes)
     finally:
         bmaps.close(), tmaps.close()
     flush()
     (folder / DELTA_INDEX_FILE).write_bytes(delta_index(version, base_version, setting.encoding,
                                                         base.checksum_format, weight_map))
     return payload
+
+
+def _count_changed(payload: Payload, name: str, encoded: Encoded, nbytes: int) -> None:
+    """Account one changed tensor's frame in ``payload`` (its checksum, decoded and encoded bytes)."""
+    payload.changed.append(name)
+    payload.checksums[name] = encoded.checksum
+    payload.decoded_bytes += nbytes
+    payload.encoded_bytes += len(encoded.frame)
+    if encoded.changed_bytes is not None:
+        payload.changed_bytes = (payload.changed_bytes or 0) + encoded.changed_bytes
 
 
 def delta_index(version: str, base_version: str, encoding: str, checksum_format: str,
