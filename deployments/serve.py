@@ -49,7 +49,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deployments.pinning import MAY_BE_OPENED, RefitPins, publish_pins
-from flows.options import Flag, add_flags, build, given
+from flows.options import add_flags, build, field_errors, flags, given
 from storage.settings import RefitParams
 
 log = logging.getLogger("canonical_refit.serve")
@@ -62,7 +62,8 @@ class ServeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_SERVE_", extra="ignore")
 
-    interval_s: float = Field(3600.0, gt=0, description="seconds between scheduled refits to 'latest'")
+    interval_s: float = Field(3600.0, gt=0, description="seconds between scheduled refits to 'latest'",
+                              json_schema_extra={"flag": "--interval"})
     name_suffix: str | None = Field(
         None, description="appended to each deployment name (default: '-' and the node name, so each node has its "
                           "own deployments); 'gpu3' and '-gpu3' both give 'refit-latest-gpu3'; '' for none")
@@ -94,19 +95,23 @@ class ServeSettings(BaseSettings):
     poll_s: float = Field(10.0, ge=0.05, le=600,
                           description="seconds between the agent's queries for flow runs to start (each is one API "
                                       "request while idle); triggered runs start at once anyway, on their "
-                                      "scheduled-run event (docs/fleet.md)")
+                                      "scheduled-run event (docs/fleet.md)",
+                          json_schema_extra={"flag": "--poll-seconds"})
     head_poll_s: float = Field(30.0, ge=1, le=60,
                                description="seconds between the agent's checks of the catalog's head (a few object "
                                            "reads): a publication whose event was lost, or a refit that failed on a "
-                                           "transient error, is caught up within this (at most 60 s)")
+                                           "transient error, is caught up within this (at most 60 s)",
+                               json_schema_extra={"flag": "--head-poll-seconds"})
     heartbeat_s: float = Field(30.0, ge=1, le=3600,
                                description="seconds between refreshes of this node's status record (alive, and what "
                                            "its engines run; a drift found is healed by a refit); readers count a "
-                                           "node stale after one beat plus a grace")
+                                           "node stale after one beat plus a grace",
+                               json_schema_extra={"flag": "--heartbeat-seconds"})
     zombie_after_s: float | None = Field(
         None, ge=30, description="a refit run whose Prefect flow-run heartbeats stop for this many seconds without "
                                  "a final state is marked Crashed by a server automation (its agent is gone); "
-                                 "default: three heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s by default)")
+                                 "default: three heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s by default)",
+        json_schema_extra={"flag": "--zombie-after"})
     fan_out: Literal["automation", "agent"] = Field(
         "automation", description="who turns a published event into this node's run: a server automation per "
                                   "node (the deployment's trigger), or the agent itself, subscribed to the published "
@@ -114,7 +119,8 @@ class ServeSettings(BaseSettings):
                                   "stream; docs/fleet.md)")
     wake_on_events: bool = Field(True, description="wake the agent when a run of its deployments is scheduled, from "
                                                    "the server's event stream (one websocket per node), so that "
-                                                   "triggered runs start at once; without it only the polls find them")
+                                                   "triggered runs start at once; without it only the polls find them",
+                                 json_schema_extra={"flag": "--no-event-wakeups"})
     run_may_set: list[Literal[MAY_BE_OPENED]] = Field(
         default_factory=list, description=f"a refit setting this node lets each run choose, besides target and "
                                           f"only_if_newer: one of {', '.join(MAY_BE_OPENED)} (every other "
@@ -125,10 +131,11 @@ class ServeSettings(BaseSettings):
                            "recorded as a rollback); refused by default")
     publish: bool = Field(False, description="also register the publish deployment, which publishes from this "
                                              "node's disk into its catalog (off by default: inference nodes do not "
-                                             "publish)")
+                                             "publish)", json_schema_extra={"flag": "--serve-publish"})
     publish_checkpoint_roots: list[Path] = Field(
         default_factory=list, description="with --serve-publish: a folder the checkpoints of publish runs must lie "
-                                          "in (symlinks resolved)")
+                                          "in (symlinks resolved)",
+        json_schema_extra={"flag": "--publish-checkpoint-root"})
 
     @model_validator(mode="after")
     def _publish_has_roots(self) -> "ServeSettings":
@@ -213,20 +220,11 @@ def run_vetting(params: RefitParams, settings: ServeSettings) -> dict:
     return vet
 
 
-NODE_FLAGS = [
-    Flag("catalog"), Flag("model"), Flag("node"), Flag("seed_checkpoint"), Flag("initial_version"), Flag("cache_dir"),
-    Flag("cache_max_gb"), Flag("apply_workers"), Flag("installer.kind", "--installer"),
-    Flag("installer.engine_urls", "--engine-url"), Flag("retries"), Flag("retry_delay_s", "--retry-delay"),
-    Flag("stage_retries"), Flag("stage_retry_delay_s", "--stage-retry-delay"),
-    Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
-    Flag("trusted_keys", "--trusted-key"),
-]
-SERVE_FLAGS = [Flag("interval_s", "--interval"), Flag("name_suffix"), Flag("poll_s", "--poll-seconds"),
-               Flag("heartbeat_s", "--heartbeat-seconds"), Flag("head_poll_s", "--head-poll-seconds"),
-               Flag("zombie_after_s", "--zombie-after"),
-               Flag("wake_on_events", "--no-event-wakeups", invert=True), Flag("fan_out"), Flag("run_may_set"),
-               Flag("allow_remote_rollback"), Flag("publish", "--serve-publish"),
-               Flag("publish_checkpoint_roots", "--publish-checkpoint-root")]
+NODE_FLAGS = flags(RefitParams, "catalog", "model", "node", "seed_checkpoint", "initial_version", "cache_dir",
+                   "cache_max_gb", "apply_workers", "installer.kind", "installer.engine_urls", "retries",
+                   "retry_delay_s", "stage_retries", "stage_retry_delay_s", "storage.concurrency",
+                   "storage.endpoint_url", "trusted_keys")
+SERVE_FLAGS = flags(ServeSettings)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -253,7 +251,7 @@ def parse_args(argv: list[str]) -> tuple[RefitParams, ServeSettings, argparse.Na
     try:
         return build(RefitParams, given(args, NODE_FLAGS)), build(ServeSettings, given(args, SERVE_FLAGS)), args
     except ValidationError as exc:
-        parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+        parser.error(field_errors(exc, NODE_FLAGS + SERVE_FLAGS))
 
 
 def _attach_suffix(argv: list[str]) -> list[str]:

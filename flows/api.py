@@ -18,7 +18,6 @@ arguments come from the same ``CANONICAL_REFIT_*`` environment variables.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -93,28 +92,9 @@ def publish(checkpoint: str | Path | Tensors, *, catalog: str, model: str, kind:
             source = memory_checkpoint(checkpoint, revision=version)
         except RefitError as exc:
             raise exc.with_context(revision=version or _next_version(params)) from None
-    try:
-        if wait:
-            return run_publish(params, source=source, keep_base=keep_base)
-        pending = start_publish(params, source=source, keep_base=keep_base)
-    except RefitError as exc:
-        raise in_python_terms(exc) from exc.__cause__
-    pending.translate = in_python_terms
-    return pending
-
-
-def in_python_terms(exc: RefitError) -> RefitError:
-    """The same error, naming ``publish``'s arguments (``base_checkpoint=``, ``kind="full"``) where the message
-    names the command line's flags (``--base-checkpoint``, ``--kind full``)."""
-    from flows.publish import PUBLISH_FLAGS
-
-    reason = re.sub(r"(?<![\w-])--kind (initial|full|delta)\b", r'kind="\1"', exc.reason)
-    for flag in sorted(PUBLISH_FLAGS, key=lambda f: -len(f.option())):
-        reason = re.sub(rf"(?<![\w-]){re.escape(flag.option())}(?![\w-])", f"{flag.path.rsplit('.', 1)[-1]}=",
-                        reason)
-    exc.reason = reason
-    exc.args = (exc._render(),)
-    return exc
+    if wait:  # errors name the fields, as the keywords here do (only the CLI renders them as flags)
+        return run_publish(params, source=source, keep_base=keep_base)
+    return start_publish(params, source=source, keep_base=keep_base)
 
 
 def _next_version(params: PublishParams) -> str | None:

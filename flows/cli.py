@@ -13,23 +13,28 @@ import logging
 import os
 import sys
 
-from flows.options import Flag, add_flags, build, given
+from flows.options import add_flags, build, field_errors, flags, given
 from flows.report import FAILED, INTERRUPTED, READY, RefitResult, print_result, quiet_expected_errors, result_of
 
 _COMMANDS = ("status", "recover", "activate")
 EXIT_CODES_HELP = "Exit codes: 0 ready or skipped, 1 failed, 2 usage, 3 poisoned, 130 interrupted."
-INSTALLER_FLAGS = [Flag("installer.kind", "--installer"), Flag("installer.engine_urls", "--engine-url")]
-REFIT_FLAGS = [
-    Flag("catalog"), Flag("model"), Flag("node"), Flag("target"), Flag("initial_version"), Flag("seed_checkpoint"),
-    Flag("cache_dir"), Flag("cache_max_gb"), Flag("apply_workers"), Flag("verify"),
-    Flag("lock_timeout_s", "--lock-timeout"), Flag("activate", invert=True), Flag("only_if_newer"),
-    Flag("retries"), Flag("retry_delay_s", "--retry-delay"), Flag("stage_retries"),
-    Flag("stage_retry_delay_s", "--stage-retry-delay"), *INSTALLER_FLAGS,
-    Flag("storage.concurrency", "--fetch-workers"), Flag("storage.endpoint_url", "--s3-endpoint-url"),
-    Flag("trusted_keys", "--trusted-key"),
-]
-RECOVER_FLAGS = [Flag("model"), Flag("cache_dir"), Flag("lock_timeout_s", "--lock-timeout"), *INSTALLER_FLAGS,
-                 Flag("override_installer")]
+def _refit_flags() -> list:
+    """Every field of RefitParams but the rollback policy (a node's agent pins that: deployments/serve.py)."""
+    from storage.settings import RefitParams
+
+    return flags(RefitParams, exclude={"rollbacks"})
+
+
+def _recover_flags() -> list:
+    from storage.settings import RecoverParams
+
+    return flags(RecoverParams)
+
+
+REFIT_FLAGS = _refit_flags()
+RECOVER_FLAGS = _recover_flags()
+STATUS_FLAGS = [f for f in RECOVER_FLAGS if f.path in ("model", "cache_dir", "lock_timeout_s")]
+ACTIVATE_FLAGS = STATUS_FLAGS + [f for f in RECOVER_FLAGS if f.path == "installer.kind"]
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -55,8 +60,7 @@ def _sub_parser(command: str) -> argparse.ArgumentParser:
         "activate": "record a checkpoint installed with --no-activate as the active version",
     }
     parser = argparse.ArgumentParser(prog=f"python -m flows.refit {command}", description=helps[command])
-    flags = RECOVER_FLAGS if command == "recover" else RECOVER_FLAGS[:3] + INSTALLER_FLAGS[:1]
-    add_flags(parser, RecoverParams, flags)
+    add_flags(parser, RecoverParams, RECOVER_FLAGS if command == "recover" else ACTIVATE_FLAGS)
     parser.add_argument("--catalog", help="not needed here (accepted so a refit's flags can be reused)")
     if command == "activate":
         parser.add_argument("--version", required=True, help="the installed version to activate")
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             return _activate(args)
         params = build_params(args)
     except ValidationError as exc:
-        parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+        parser.error(field_errors(exc, REFIT_FLAGS if command is None else RECOVER_FLAGS))
     from flows.bootstrap import bootstrap_command
 
     # a refit runs a flow: set the process up (status, recover, activate and --help never get here)
@@ -190,7 +194,7 @@ def _status(args) -> int:
     from storage.settings import RecoverParams
     from storage.store.local_store import LocalStore
 
-    params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
+    params = build(RecoverParams, given(args, STATUS_FLAGS))
     store = LocalStore(params.cache_dir, params.model, create=False)
     if not store.exists:
         print(f"no store for {params.model} under {params.cache_dir}: nothing was refitted there yet "
@@ -228,7 +232,7 @@ def _activate(args) -> int:
     from storage.errors import RefitError
     from storage.store.local_store import LocalStore
 
-    params = build(RecoverParams, given(args, RECOVER_FLAGS[:3]))
+    params = build(RecoverParams, given(args, STATUS_FLAGS))
     store = LocalStore(params.cache_dir, params.model, create=False)
     try:
         with store.shared(params.lock_timeout_s, "activation"):

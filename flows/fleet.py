@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from flows.options import Flag, add_flags, build, given
+from flows.options import add_flags, build, field_errors, flags, given
 from storage.catalog.records import Catalog
 from storage.errors import RefitError
 from storage.catalog.nodes import NodeRecord, delete_node_record, read_node_records, scan_node_records
@@ -75,12 +75,15 @@ class FleetParams(BaseSettings):
     all_seen_within_s: float | None = Field(
         None, gt=0, description="wait: a node not seen alive within this many seconds is stale (default: one of "
                                 "its agent's heartbeats plus a grace of max(5 s, half a beat)); a stale node is "
-                                "never counted as reached")
+                                "never counted as reached", json_schema_extra={"flag": "--all-seen-within"})
     node: str | None = Field(None, description="forget: the node whose record to remove")
     timeout_s: float = Field(600.0, gt=0, description="wait: give up after this many seconds (exit 1); an "
-                                                      "unreadable catalog is read again until then")
-    poll_s: float = Field(1.0, gt=0, description="wait: seconds between reads of the node records")
-    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+                                                      "unreadable catalog is read again until then",
+                           json_schema_extra={"flag": "--timeout"})
+    poll_s: float = Field(1.0, gt=0, description="wait: seconds between reads of the node records",
+                          json_schema_extra={"flag": "--poll"})
+    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings,
+                                         json_schema_extra={"flags": {"endpoint_url": "--s3-endpoint-url"}})
 
 
 @dataclass
@@ -341,11 +344,9 @@ def poisoned_alert(model: str, block_document_id, *, name: str | None = None):
     )
 
 
-STATUS_FLAGS = [Flag("catalog"), Flag("model"), Flag("storage.endpoint_url", "--s3-endpoint-url")]
-WAIT_FLAGS = STATUS_FLAGS + [Flag("version"), Flag("nodes"), Flag("expect"),
-                             Flag("all_seen_within_s", "--all-seen-within"), Flag("timeout_s", "--timeout"),
-                             Flag("poll_s", "--poll")]
-FORGET_FLAGS = STATUS_FLAGS + [Flag("node")]
+STATUS_FLAGS = flags(FleetParams, "catalog", "model", "storage.endpoint_url")
+WAIT_FLAGS = STATUS_FLAGS + flags(FleetParams, "version", "nodes", "expect", "all_seen_within_s", "timeout_s", "poll_s")
+FORGET_FLAGS = STATUS_FLAGS + flags(FleetParams, "node")
 FLEET_FLAGS_BY_COMMAND = {"status": STATUS_FLAGS, "wait": WAIT_FLAGS, "forget": FORGET_FLAGS}
 
 
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         params = build(FleetParams, given(args, flags))
     except ValidationError as exc:
-        parser.error("; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()))
+        parser.error(field_errors(exc, FLEET_FLAGS_BY_COMMAND[args.command]))
     if args.command == "status":
         view = fleet_status(params.catalog, params.model, storage=params.storage)
         print(json.dumps(view.to_json(), sort_keys=True)) if args.json else print_view(view)

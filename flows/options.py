@@ -1,24 +1,44 @@
 """One definition of every command line: flags built from the settings models' own fields.
 
-Each entry point lists the fields it exposes (``Flag``): the flag's name,
-type, choices, default and help all come from the pydantic field (its
-``description`` is the help text, with the environment variable that sets
-it), so a flag can never drift from the setting it sets. ``given`` turns the
-parsed arguments back into the nested keyword arguments of the model —
-only what was given on the command line; the environment fills in the rest
-when the model is built.
+A field's flag is defined once, on the field: its name is ``--field-name``
+unless the field says otherwise (``json_schema_extra={"flag": "--lock-timeout"}``,
+see ``flag``); a nested model's fields get flags only where the field that
+holds it names them (``json_schema_extra={"flags": {"concurrency": "--fetch-workers"}}``:
+the same setting may be spelled differently by the receiver and the publisher).
+The flag's type, choices, default and help all come from the pydantic field
+(its ``description`` is the help text, with the environment variable that
+sets it); a boolean that defaults to True is given as ``--no-...``. An entry
+point only chooses which fields it exposes (``flags``).
+
+``given`` turns the parsed arguments back into the nested keyword arguments
+of the model — only what was given on the command line; the environment
+fills in the rest when the model is built. Below the command line errors
+name fields (``catalog``, ``kind``); ``field_errors`` and ``as_flags`` are the
+one place a field becomes a flag again, for the user of a command.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel
+
+
+def flag(name: str) -> dict:
+    """A field's flag when it is not ``--field-name``: ``Field(..., json_schema_extra=flag("--lock-timeout"))``."""
+    return {"flag": name}
+
+
+def nested_flags(**names: str) -> dict:
+    """The flags of a nested model's fields, on the field that holds it:
+    ``Field(default_factory=ObjectStoreSettings, json_schema_extra=nested_flags(concurrency="--fetch-workers"))``."""
+    return {"flags": dict(names)}
 
 
 @dataclass(frozen=True)
@@ -34,11 +54,56 @@ class Flag:
     def dest(self) -> str:
         return self.path.replace(".", "__")
 
+    @property
+    def field(self) -> str:
+        """The keyword that sets it (the leaf field's name)."""
+        return self.path.rsplit(".", 1)[-1]
+
     def option(self) -> str:
         if self.name:
             return self.name
-        leaf = self.path.rsplit(".", 1)[-1].replace("_", "-")
+        leaf = self.field.replace("_", "-")
         return f"--no-{leaf}" if self.invert else f"--{leaf}"
+
+
+def _extra(info) -> dict:
+    extra = info.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def flag_of(model: type[BaseModel], path: str) -> Flag:
+    """The flag of one field, as the model defines it (a nested field's: as its holder names it)."""
+    head, _, leaf = path.rpartition(".")
+    _, name, info = _field(model, path)
+    spelled = _extra(info).get("flag")
+    if head:
+        holder = _field(model, head)[2]
+        spelled = _extra(holder).get("flags", {}).get(leaf) or spelled
+    default = None if info.is_required() else info.get_default(call_default_factory=False)
+    return Flag(path, spelled, invert=_plain(info.annotation) is bool and default is True)
+
+
+def flags(model: type[BaseModel], *paths: str, exclude: Iterable[str] = ()) -> list[Flag]:
+    """The flags of ``paths``; with none, of every field the model exposes: its own fields (a nested model's
+    only where its holder names them), in the model's order, less ``exclude``."""
+    if not paths:
+        found = []
+        for name, info in model.model_fields.items():
+            nested = _extra(info).get("flags")
+            if nested is not None:
+                found += [f"{name}.{leaf}" for leaf in nested]
+            elif not _is_model(info.annotation):
+                found.append(name)
+        paths = tuple(found)
+    return [flag_of(model, path) for path in paths if path not in set(exclude)]
+
+
+def _is_model(annotation) -> bool:
+    try:
+        _model_of(annotation)
+    except TypeError:
+        return False
+    return True
 
 
 def _field(model: type[BaseModel], path: str):
@@ -134,3 +199,44 @@ def build(model: type[BaseModel], values: dict):
         if isinstance(value, dict) and name in model.model_fields:
             kwargs[name] = build(_model_of(model.model_fields[name].annotation), value)
     return model(**kwargs)
+
+
+def field_errors(exc, flag_list: list[Flag]) -> str:
+    """A pydantic ``ValidationError`` for the user of a command: each error's field rendered as its flag
+    (``--catalog: ...``), a model's own check as ``value``; the messages themselves name fields."""
+    options = {f.path: f.option() for f in flag_list}
+    parts = []
+    for error in exc.errors():
+        path = ".".join(map(str, error["loc"]))
+        parts.append(f"{options.get(path, path) or 'value'}: {as_flags(error['msg'], flag_list)}")
+    return "; ".join(parts)
+
+
+def as_flags(text: str, flag_list: list[Flag]) -> str:
+    """A message that names keywords (``base_checkpoint=``, ``kind="full"``) as the command line's flags
+    (``--base-checkpoint``, ``--kind full``): the one place below which errors speak in fields."""
+    options = {f.field: f for f in flag_list}
+    if not options:
+        return text
+
+    def render(match: re.Match) -> str:
+        option = options[match.group(1)]
+        value = match.group(2)
+        if value is None or option.invert:
+            return option.option()
+        return f"{option.option()} {value}"
+
+    names = "|".join(sorted(map(re.escape, options), key=len, reverse=True))
+    return re.sub(rf"(?<![\w.-])({names})=(?:\"([^\"]*)\")?", render, text)
+
+
+def parse(parser: argparse.ArgumentParser, model: type[BaseModel], flag_list: list[Flag], argv: list[str]):
+    """(``model`` from the flags given in ``argv`` and the environment, the parsed arguments); an invalid value
+    is a usage error naming its flag (exit 2)."""
+    from pydantic import ValidationError
+
+    args = parser.parse_args(argv)
+    try:
+        return build(model, given(args, flag_list)), args
+    except ValidationError as exc:
+        parser.error(field_errors(exc, flag_list))

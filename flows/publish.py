@@ -40,7 +40,7 @@ from storage.catalog.kept_base import KEEP_BASES, PublisherCopy, StagedCopy
 from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, Snapshot, make_record, same_publication
 from storage.format.tensor_source import MemoryCheckpoint
 from storage.settings import PublishParams
-from flows.publish_cli import PUBLISH_FLAGS, orphans_main, parse_args, quick_main  # noqa: F401 (re-exported)
+from flows.publish_cli import PUBLISH_FLAGS, cli_error, orphans_main, parse_args, quick_main  # noqa: F401 (re-exported)
 from tasks.encode_payload import ENCODE_PAYLOAD
 from tasks.plan_revision import PLAN_REVISION, Publication
 from tasks.publisher import Publisher, PublishResult
@@ -123,17 +123,13 @@ class PendingPublish:
     def __init__(self, version: str, sequence: int, future: Future, blocked_s: float):
         self.version, self.sequence, self.blocked_s = version, sequence, blocked_s
         self._future = future
-        self.translate = lambda exc: exc  # how a RefitError is raised to the caller (flows.api: Python's terms)
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> PublishResult:
         """The ``PublishResult`` once the record is written; raises its typed error, or ``TimeoutError``."""
-        try:
-            return self._future.result(timeout)
-        except RefitError as exc:
-            raise self.translate(exc) from exc.__cause__
+        return self._future.result(timeout)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "uploading"
@@ -328,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(asdict(value), sort_keys=True) if as_json else  # text: only what there is
               "\n".join(f"{k}: {v}" for k, v in asdict(value).items() if v is not None))
         return 0
-    message = str(value) if isinstance(value, RefitError) else f"{state.name}: {state.message}"
+    message = cli_error(value) if isinstance(value, RefitError) else f"{state.name}: {state.message}"
     print(json.dumps({"error": message}) if as_json else f"error: {message}")
     return 1
 

@@ -147,7 +147,8 @@ class RefitParams(BaseSettings):
     verify: Literal["incremental", "full"] = Field(
         "incremental", description="'full' rereads every tensor instead of reusing verified checksums"
     )
-    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
+    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock",
+                                  json_schema_extra={"flag": "--lock-timeout"})
     activate: bool = Field(
         True, description="record the installed version as active once installed (else activate it later with "
                           "`python -m flows.refit activate`)")
@@ -162,21 +163,25 @@ class RefitParams(BaseSettings):
         description="whole-run retries after a transient failure (a storage outage); never after poison, "
                     "an interrupt or bad input")
     retry_delay_s: float = Field(
-        10.0, ge=0, le=3600, description="wait before the first whole-run retry, doubled for each next one")
+        10.0, ge=0, le=3600, description="wait before the first whole-run retry, doubled for each next one",
+        json_schema_extra={"flag": "--retry-delay"})
     stage_retries: int = Field(
         2, ge=0, le=20, description="deprecated, no effect: a stage runs once (its requests retry transient I/O, "
                                     "the whole run retries: retries); accepted so command lines keep working")
     stage_retry_delay_s: float = Field(
-        1.0, ge=0, le=3600, description="deprecated, no effect (see stage_retries)")
+        1.0, ge=0, le=3600, description="deprecated, no effect (see stage_retries)",
+        json_schema_extra={"flag": "--stage-retry-delay"})
     trusted_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Ed25519 public key whose signature this node accepts on catalog records: a key file's path, "
                     "or the key inline (PEM, 'ssh-ed25519 ...' or 32 bytes of base64); several for a key rotation "
                     "(environment: a JSON array or commas). With any, a record that is unsigned, signed by another "
                     "key or altered after signing is refused before a payload byte is downloaded (docs/format.md, "
-                    "4.10); without, records are not verified")
-    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
-    installer: InstallerSettings = Field(default_factory=InstallerSettings)
+                    "4.10); without, records are not verified", json_schema_extra={"flag": "--trusted-key"})
+    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings, json_schema_extra={
+        "flags": {"concurrency": "--fetch-workers", "endpoint_url": "--s3-endpoint-url"}})
+    installer: InstallerSettings = Field(default_factory=InstallerSettings, json_schema_extra={
+        "flags": {"kind": "--installer", "engine_urls": "--engine-url"}})
 
     @field_validator("trusted_keys", mode="before")
     @classmethod
@@ -259,7 +264,8 @@ class PublishParams(BaseSettings):
                            "cannot read (docs/format.md, 5.6)")
     checksum_format: Literal["adler32", "xxh3-128", "blake3"] = Field(
         "adler32", description="per-tensor checksum of initial and full revisions (a delta uses its base's)")
-    bucket_max_mib: int = Field(256, ge=1, description="decoded MiB per delta bucket")
+    bucket_max_mib: int = Field(256, ge=1, description="decoded MiB per delta bucket",
+                                json_schema_extra={"flag": "--bucket-mib"})
     zstd_level: int = Field(3, ge=-7, le=22, description="zstd compression level")
     workers: int = Field(default_factory=_workers_default, ge=1, le=256,
                          description="threads encoding tensors (default: the cores, at most 8)")
@@ -268,17 +274,20 @@ class PublishParams(BaseSettings):
                            "(If-None-Match)"
     )
     emit_event: bool = Field(True, description="emit canonical-refit.revision.published once the record is "
-                                               "written")
+                                               "written", json_schema_extra={"flag": "--no-event"})
     event_delivery_s: float = Field(
         30.0, ge=0, le=600, description="seconds to keep trying to deliver the published event while the Prefect "
-                                        "API does not confirm it (then the result says event_delivered: false)")
+                                        "API does not confirm it (then the result says event_delivered: false)",
+        json_schema_extra={"flag": "--event-delivery-seconds"})
     retries: int = Field(3, ge=0, le=20,
                          description="retries of the upload and record write after a transient failure")
     retry_delay_s: float = Field(10.0, ge=0, le=3600,
-                                 description="wait before the first publication retry, doubled for each next one")
+                                 description="wait before the first publication retry, doubled for each next one",
+                                 json_schema_extra={"flag": "--retry-delay"})
     stage_retries: int = Field(2, ge=0, le=20, description="deprecated, no effect: the upload stage runs once (its "
                                                            "requests retry, the whole publication retries: retries)")
-    stage_retry_delay_s: float = Field(1.0, ge=0, le=3600, description="deprecated, no effect (see stage_retries)")
+    stage_retry_delay_s: float = Field(1.0, ge=0, le=3600, description="deprecated, no effect (see stage_retries)",
+                                       json_schema_extra={"flag": "--stage-retry-delay"})
     rank: int | None = Field(None, ge=0, description="this trainer rank's index, when several ranks publish one "
                                                       "revision together (with --world-size and --publication)")
     world_size: int | None = Field(None, ge=1, le=65536, description="how many ranks publish the revision "
@@ -288,12 +297,14 @@ class PublishParams(BaseSettings):
                                                 "(e.g. the run id and the step); rank 0 publishes the revision "
                                                 "once every rank's part is there")
     part_timeout_s: float = Field(600.0, gt=0, description="how long a rank waits for the plan, the other "
-                                                           "ranks' parts and the record")
+                                                           "ranks' parts and the record",
+                                   json_schema_extra={"flag": "--part-timeout"})
     signing_key: Path | None = Field(
         None, description="Ed25519 private key file that signs every catalog record this publisher writes (PEM, "
                           "OpenSSH or 32 bytes of base64; `python -m flows.publish keygen --out DIR` makes a pair; "
                           "docs/format.md, 4.10); without, records are unsigned")
-    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
+    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings, json_schema_extra={
+        "flags": {"concurrency": "--upload-workers", "endpoint_url": "--s3-endpoint-url"}})
 
     def stage_retry_policy(self) -> RetryPolicy:
         """Unused: stages no longer retry themselves (``storage/retry.py``); kept for callers of the old API."""
@@ -347,8 +358,10 @@ class RecoverParams(BaseSettings):
 
     model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
-    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock")
+    lock_timeout_s: float = Field(3600.0, gt=0, description="longest wait for another receiver's lock",
+                                  json_schema_extra={"flag": "--lock-timeout"})
     installer: InstallerSettings | None = Field(
-        None, description="installer to re-install through (default: the one recorded when the node was poisoned)")
+        None, description="installer to re-install through (default: the one recorded when the node was poisoned)",
+        json_schema_extra={"flags": {"kind": "--installer", "engine_urls": "--engine-url"}})
     override_installer: bool = Field(
         False, description="re-install through `installer` even though the node was poisoned through another")

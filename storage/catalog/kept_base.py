@@ -94,12 +94,12 @@ class PublisherCopy:
             where = ("this process keeps no copy of it in memory (a copy kept in memory is gone with the process "
                      "that published it)" if self.in_memory else f"{self.root} holds no kept copy")
             raise LineageError(f"no copy of the base revision {base.version} to encode the delta against: {where}; "
-                               f"pass the checkpoint of {base.version} as --base-checkpoint, or publish this "
-                               "revision with --kind full", revision=publishing, field="base_checkpoint")
+                               f"pass the checkpoint of {base.version} as base_checkpoint=, or publish this "
+                               'revision with kind="full"', revision=publishing, field="base_checkpoint")
         snap = self._on_disk(last, base.version, base.checksum_format, workers)
         if snap.target_digest != base.target_digest:
             raise LineageError(f"the publisher's kept copy ({last.get('version')}) is not the exact base revision "
-                               f"{base.version}; pass the checkpoint of {base.version} as --base-checkpoint",
+                               f"{base.version}; pass the checkpoint of {base.version} as base_checkpoint=",
                                revision=publishing, file=str(self.checkpoint), field="base_checkpoint")
         return snap
 
