@@ -6,9 +6,10 @@ twice whenever the kernel writes the copy back before the patch reaches it
 changes a few percent of the elements, spread over nearly every page. So
 where the filesystem cannot reflink, the copy is made as the patch goes
 (``CopyAsPatched``): the target's shards start as files of their final size
-holding only their headers; a tensor's bytes are copied from the base when an
-apply worker takes it, just before it is patched (its pages are still dirty
-when the patch touches them); whatever no delta touches is copied once
+holding only their headers; tensors under ``LAZY_MIN`` are copied at once
+(adjacent ones in one call); a larger tensor's bytes are copied from the base
+when an apply worker takes it, just before it is patched (its pages are still
+dirty when the patch touches them); whatever no delta touches is copied once
 patching is done. A failure leaves a partial folder that the rollback
 discards, as it did the half-patched copy. Tensor ranges are bookkept per
 shard and the rest is their complement: O(tensors log tensors).
@@ -26,6 +27,8 @@ from pathlib import Path
 from storage.cancel import StopToken
 from storage.durable import COPY_CHUNK, CopyReport, copy_file, fsync_dir, reflink_file, source_files
 from storage.format.checkpoint import CheckpointIndex
+
+LAZY_MIN = 1 << 20  # tensors under this are copied up front, adjacent ones in one call: no syscall per tiny tensor
 
 
 class CopyAsPatched:
@@ -65,11 +68,24 @@ class CopyAsPatched:
         self._begin_s = time.perf_counter() - started
 
     def open(self) -> None:
-        """Open every shard pair (base read-only, target for writing) once the target folder is in place."""
+        """Open every shard pair (base read-only, target for writing) once the target folder is in place; copy
+        the tensors under ``LAZY_MIN`` bytes now (sorted by offset, adjacent ones merged into one range)."""
         for name in self.base.headers:
             src = os.open(self.base_dir / name, os.O_RDONLY | os.O_CLOEXEC)
             dst = os.open(self.target_dir / name, os.O_WRONLY | os.O_CLOEXEC)
             self._fds[name] = (src, dst)
+        small = sorted((t.file, t.offset, t.offset + t.nbytes) for t in self.base.tensors.values()
+                       if t.nbytes < LAZY_MIN)
+        merged: list[list] = []
+        for file, start, end in small:
+            if merged and merged[-1][0] == file and merged[-1][2] == start:
+                merged[-1][2] = end
+            else:
+                merged.append([file, start, end])
+        for file, start, end in merged:
+            self._copied[file].append((start, end))
+            for off in range(start, end, COPY_CHUNK):
+                self._copy_fds(file, off, min(COPY_CHUNK, end - off))
 
     def finish(self, workers: int) -> None:
         """Copy every byte of every shard that no taken tensor (nor a header) covered; then close."""
@@ -142,7 +158,10 @@ class CopyAsPatched:
             if location is None:  # not a whole tensor of the base: copy everything not copied yet, then patch
                 self.finish_now()
                 return
-            ranges.append((location.file, location.offset, location.offset + location.nbytes))
+            if location.nbytes >= LAZY_MIN:  # smaller ones were copied by ``open``
+                ranges.append((location.file, location.offset, location.offset + location.nbytes))
+        if not ranges:
+            return
         with self._lock:
             if self._all_copied:
                 return
