@@ -55,7 +55,7 @@ def _publish_params(root: Path, **values):
                          keep_copy=False, emit_event=False, workers=values.pop("workers"), **values)
 
 
-def build(root: Path, shape: str, scale: float, workers: int) -> dict:
+def build(root: Path, shape: str, scale: float, workers: int, bucket_mib: int = 256) -> dict:
     """Child ``build``: write the checkpoints, publish r0..r2; returns each delta's stage seconds."""
     from flows.publish import run_publish
     from flows.synthetic import ShapedCheckpoint, shape_layout
@@ -64,7 +64,8 @@ def build(root: Path, shape: str, scale: float, workers: int) -> dict:
     specs = shape_layout(shape, scale)
     r0 = ShapedCheckpoint.random(specs, seed=1)
     r0.write(root / "launch")
-    run_publish(_publish_params(root, checkpoint=root / "launch", kind="initial", version="r0", workers=workers))
+    run_publish(_publish_params(root, checkpoint=root / "launch", kind="initial", version="r0", workers=workers,
+                                bucket_max_mib=bucket_mib))
     out = {"tensors": len(specs), "bytes": int(r0.starts[-1]), "dtypes": sorted({s.dtype for s in specs}),
            "largest_tensor_bytes": max(s.nbytes for s in specs), "publish": []}
     base, current = root / "launch", r0
@@ -74,7 +75,8 @@ def build(root: Path, shape: str, scale: float, workers: int) -> dict:
         folder = current.write(root / f"r{k}")
         started, cpu = time.perf_counter(), time.process_time()
         result = run_publish(_publish_params(root, checkpoint=folder, kind="delta", version=f"r{k}",
-                                             base_version=f"r{k - 1}", base_checkpoint=base, workers=workers))
+                                             base_version=f"r{k - 1}", base_checkpoint=base, workers=workers,
+                                             bucket_max_mib=bucket_mib))
         wall, cpu = time.perf_counter() - started, time.process_time() - cpu
         if result.changed_tensors != len(specs):
             raise SystemExit(f"r{k} changed {result.changed_tensors} tensors, not all {len(specs)}")
@@ -165,10 +167,10 @@ def _child(kind: str, root: Path, args: dict, timeout: float) -> dict:
 
 
 def measure(root: Path, shape: str, scale: float, *, workers: int, parts: tuple[str, ...],
-            timeout: float) -> dict:
+            timeout: float, bucket_mib: int = 256) -> dict:
     """One shape at one scale: build and publish, then (if ``refit`` in ``parts``) refit; per-tensor figures."""
     root.mkdir(parents=True, exist_ok=True)
-    args = {"shape": shape, "scale": scale, "workers": workers, "root": str(root)}
+    args = {"shape": shape, "scale": scale, "workers": workers, "root": str(root), "bucket_mib": bucket_mib}
     built = _child("build", root, args, timeout)
     n = built["tensors"]
     steady_pub = built["publish"][-1]
@@ -305,7 +307,7 @@ def table(result: dict) -> str:
 
 
 def main(*, name: str, shape: str, scales: list[float], workers: int, parts: tuple[str, ...],
-         json_path: Path | None, keep: bool, timeout: float = 3600) -> int:
+         json_path: Path | None, keep: bool, timeout: float = 3600, bucket_mib: int = 256) -> int:
     """Measure ``shape`` at each scale, print the table and goals, write JSON under benchmarks/results/."""
     import shutil
     import tempfile
@@ -319,14 +321,15 @@ def main(*, name: str, shape: str, scales: list[float], workers: int, parts: tup
     try:
         for scale in scales:
             points.append(measure(base / f"x{scale:g}", shape, scale, workers=workers, parts=parts,
-                                  timeout=timeout))
+                                  timeout=timeout, bucket_mib=bucket_mib))
             if not keep:
                 shutil.rmtree(base / f"x{scale:g}", ignore_errors=True)
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
     result = {"schema": "canonical-refit.benchmark.shapes.v1", "benchmark": name, "shape": shape,
-              "workers": workers, "cores": os.cpu_count(), "started_at": stamp, "load": list(os.getloadavg()),
+              "workers": workers, "bucket_mib": bucket_mib, "cores": os.cpu_count(), "started_at": stamp,
+              "load": list(os.getloadavg()),
               "points": points, "goals": goals(points),
               "command": f"python -m benchmarks.{name} " + " ".join(sys.argv[1:])}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -348,7 +351,8 @@ if __name__ == "__main__":  # a child: python -m benchmarks._shapes build|refit 
     kind, spec_path, out_path = sys.argv[1:4]
     spec = json.loads(Path(spec_path).read_text())
     if kind == "build":
-        data = build(Path(spec["root"]), spec["shape"], spec["scale"], spec["workers"])
+        data = build(Path(spec["root"]), spec["shape"], spec["scale"], spec["workers"],
+                     spec.get("bucket_mib", 256))
     else:
         data = refit(Path(spec["root"]), spec["workers"])
     Path(out_path).write_text(json.dumps(data))

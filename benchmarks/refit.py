@@ -357,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.shape:
         return _shapes.main(name="refit", shape=args.shape, scales=args.scales, workers=args.apply_workers,
-                            parts=("refit",), json_path=args.json, keep=args.keep, timeout=args.child_timeout)
+                            parts=("refit",), json_path=args.json, keep=args.keep, timeout=args.child_timeout,
+                            bucket_mib=args.bucket_mib)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.json or RESULTS / f"refit-{stamp}.json"
     root = Path(tempfile.mkdtemp(prefix="canonical-refit-bench-", dir=args.workdir))
