@@ -88,8 +88,7 @@ def child(spec_path: str, out_path: str) -> int:
     """Body of the measured process: the refit runbook on ``spec["params"]``, its write_bytes and copy records."""
     import logging
 
-    import flows.refit  # noqa: F401  (every stage imported before anything is measured)
-    from flows.refit import run_refit
+    from flows.refit import run_refit  # every stage imported before anything is measured
     from storage.settings import RefitParams
     from storage.store.flush import wait_for_flushes
 
