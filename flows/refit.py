@@ -150,17 +150,23 @@ def run_refit(params: RefitParams, *, installer=None, reporter: PrefectReporter 
     attempts: list[Attempt] = []
     policy = params.run_retry_policy()
     interrupted = False
+
+    def attempt(number: int) -> Attempt:
+        attempts.append(last := run_attempt(params, installer, reporter, stop, number))
+        return last
+
+    def told(number: int, delay: float, last: Attempt) -> None:
+        log.warning("refit of %s to %s failed on a transient error (attempt %d of %d); retrying the whole run "
+                    "in %.0fs: %s", params.model, params.target, number, policy.attempts, delay, last.exception)
+
+    def pause(delay: float) -> bool:
+        nonlocal interrupted
+        interrupted = waiting.wait(delay)
+        return interrupted
+
     try:
-        for number in range(1, policy.attempts + 1):
-            attempts.append(last := run_attempt(params, installer, reporter, stop, number))
-            if isinstance(last.exception, KeyboardInterrupt) or not retryable_run(last) or number >= policy.attempts:
-                break
-            delay = policy.delay(number)
-            log.warning("refit of %s to %s failed on a transient error (attempt %d of %d); retrying the whole run "
-                        "in %.0fs: %s", params.model, params.target, number, policy.attempts, delay, last.exception)
-            if waiting.wait(delay):
-                interrupted = True
-                break
+        policy.repeat(attempt, again=lambda last: not isinstance(last.exception, KeyboardInterrupt)
+                      and retryable_run(last), on_retry=told, wait=pause)
     finally:
         waiting.close()
     result = settle(params, attempts, interrupted=interrupted)

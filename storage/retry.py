@@ -29,6 +29,9 @@ a publication      the upload and the record write       ``PublishParams.publica
                    retry completes a partial upload)     ``flows/publish.py`` ``put_publication``
 =================  ====================================  ===============================================
 
+``RetryPolicy.repeat`` is the one attempt loop: a request's and a publication's
+``RetryPolicy.call`` and the refit's ``run_refit`` both go through it.
+
 During an outage a request is therefore tried ``retry_attempts`` times per
 run attempt, and the run ``retries + 1`` times: at most their product (6 x 4
 with the defaults), each run attempt starting over from a consistent store.
@@ -78,6 +81,24 @@ class RetryPolicy:
         base = min(self.max_s, self.initial_s * self.factor ** (retry - 1))
         return base * (1.0 - self.jitter * random.random()) if self.jitter else base
 
+    def repeat(self, fn: Callable[[int], T], *, again: Callable[[T], bool], on_retry: Callable[[int, float, T], None],
+               wait: Callable[[float], object] = time.sleep) -> T:
+        """The one attempt loop: ``fn(attempt)`` (1 first), tried again while ``again(result)`` says so and
+        attempts remain; returns the last result.
+
+        Before each next attempt ``on_retry(attempt, delay, result)`` is told, then ``wait(delay)`` sleeps; a
+        ``wait`` that returns true (a stop token's, stopped) ends the attempts there.
+        """
+        for attempt in range(1, self.attempts + 1):
+            result = fn(attempt)
+            if not again(result) or attempt >= self.attempts:
+                return result
+            delay = self.delay(attempt)
+            on_retry(attempt, delay, result)
+            if wait(delay):
+                return result
+        raise AssertionError("unreachable")
+
     def call(self, what: str, fn: Callable[[], T], *, retryable: Callable[[BaseException], bool] = transient,
              wait: Callable[[float], object] = time.sleep,
              on_retry: Callable[[int, float, BaseException], None] | None = None) -> T:
@@ -87,17 +108,28 @@ class RetryPolicy:
         early; the next attempt then sees the stop); ``on_retry(attempt, delay,
         error)`` is told of each retry, else a warning is logged.
         """
-        for attempt in range(1, self.attempts + 1):
+        def attempt(_number: int) -> tuple[T | None, BaseException | None]:
             try:
-                return fn()
+                return fn(), None
             except BaseException as exc:
-                if attempt >= self.attempts or not retryable(exc):
-                    raise
-                delay = self.delay(attempt)
-                if on_retry is not None:
-                    on_retry(attempt, delay, exc)
-                else:
-                    log.warning("%s failed (attempt %d of %d), retrying in %.1fs: %s", what, attempt,
-                                self.attempts, delay, exc)
-                wait(delay)
-        raise AssertionError("unreachable")
+                return None, exc
+
+        def told(number: int, delay: float, outcome: tuple) -> None:
+            if on_retry is not None:
+                on_retry(number, delay, outcome[1])
+            else:
+                log.warning("%s failed (attempt %d of %d), retrying in %.1fs: %s", what, number, self.attempts,
+                            delay, outcome[1])
+
+        def sleep(delay: float) -> bool:
+            wait(delay)
+            return False  # the next attempt sees a stop itself
+
+        value, error = self.repeat(attempt, again=lambda outcome: outcome[1] is not None and retryable(outcome[1]),
+                                   on_retry=told, wait=sleep)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # no cycle through this frame
+        return value

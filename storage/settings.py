@@ -200,10 +200,6 @@ class RefitParams(BaseSettings):
             load_public_key(entry)  # a ValueError naming the entry: a node never runs with a key it cannot read
         return value
 
-    def stage_retry_policy(self) -> RetryPolicy:
-        """Unused: stages no longer retry themselves (``storage/retry.py``); kept for callers of the old API."""
-        return RetryPolicy(self.stage_retries + 1, self.stage_retry_delay_s, 4.0, jitter=0.5)
-
     def run_retry_policy(self) -> RetryPolicy:
         """Retries of the whole run after a transient failure."""
         return RetryPolicy(self.retries + 1, self.retry_delay_s, 2.0)
@@ -305,10 +301,6 @@ class PublishParams(BaseSettings):
                           "docs/format.md, 4.10); without, records are unsigned")
     storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings, json_schema_extra={
         "flags": {"concurrency": "--upload-workers", "endpoint_url": "--s3-endpoint-url"}})
-
-    def stage_retry_policy(self) -> RetryPolicy:
-        """Unused: stages no longer retry themselves (``storage/retry.py``); kept for callers of the old API."""
-        return RetryPolicy(self.stage_retries + 1, self.stage_retry_delay_s, 4.0)
 
     def publication_retry_policy(self) -> RetryPolicy:
         """Retries of the whole upload and record write after a transient failure."""

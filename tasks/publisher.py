@@ -80,8 +80,5 @@ class Publisher:
         with measuring(self.ledger.record(name), self.stop) as record:
             yield record
 
-    def stage_retry_policy(self):
-        return self.params.stage_retry_policy()
-
     def close(self) -> None:
         self.stop.close()

@@ -113,9 +113,6 @@ class Receiver:
             self._stage_view.objects = None
             self._running.remove(view)
 
-    def stage_retry_policy(self):
-        return self.params.stage_retry_policy()
-
     @contextmanager
     def preparation(self, first: Callable[["Receiver"], None] | None = None) -> Iterator:
         """Hold the store lock exclusively for stages 1-6 (``downgrade`` it for the installation fence).
