@@ -49,7 +49,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deployments.pinning import MAY_BE_OPENED, RefitPins, publish_pins
-from flows.options import add_flags, build, field_errors, flags, given
+from flows.options import add_flags, build, field_errors, flags, given, with_values
 from storage.settings import RefitParams
 
 log = logging.getLogger("canonical_refit.serve")
@@ -247,23 +247,11 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str]) -> tuple[RefitParams, ServeSettings, argparse.Namespace]:
     """RefitParams and ServeSettings from the flags given; the environment fills in the rest."""
     parser = _parser()
-    args = parser.parse_args(_attach_suffix(argv))
+    args = parser.parse_args(with_values(argv, NODE_FLAGS + SERVE_FLAGS))
     try:
         return build(RefitParams, given(args, NODE_FLAGS)), build(ServeSettings, given(args, SERVE_FLAGS)), args
     except ValidationError as exc:
         parser.error(field_errors(exc, NODE_FLAGS + SERVE_FLAGS))
-
-
-def _attach_suffix(argv: list[str]) -> list[str]:
-    """``--name-suffix -gpu3`` as ``--name-suffix=-gpu3``: argparse would take ``-gpu3`` for a flag."""
-    out, it = [], iter(argv)
-    for arg in it:
-        if arg == "--name-suffix":
-            value = next(it, None)
-            out.append(arg if value is None else f"{arg}={value}")
-        else:
-            out.append(arg)
-    return out
 
 
 def node_environment(params: RefitParams) -> dict[str, str]:

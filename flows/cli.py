@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from flows.options import add_flags, build, field_errors, flags, given
+from flows.options import add_flags, build, field_errors, flags, given, with_values
 from flows.report import FAILED, INTERRUPTED, READY, RefitResult, print_result, quiet_expected_errors, result_of
 
 _COMMANDS = ("status", "recover", "activate")
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
 
     command = argv[0] if argv[0] in _COMMANDS else None
     parser = _sub_parser(command) if command else _run_parser()
-    args = parser.parse_args(argv[1:] if command else argv)
+    args = parser.parse_args(with_values(argv[1:] if command else argv,
+                                         REFIT_FLAGS if command is None else RECOVER_FLAGS))
     try:
         if command == "status":
             return _status(args)

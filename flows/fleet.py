@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from flows.options import add_flags, build, field_errors, flags, given
+from flows.options import add_flags, build, field_errors, flags, given, with_values
 from storage.catalog.records import Catalog
 from storage.errors import RefitError
 from storage.catalog.nodes import NodeRecord, delete_node_record, read_node_records, scan_node_records
@@ -386,12 +386,12 @@ def _age(seconds: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(with_values(sys.argv[1:] if argv is None else argv, WAIT_FLAGS + FORGET_FLAGS))
     flags = FLEET_FLAGS_BY_COMMAND[args.command]
     try:
         params = build(FleetParams, given(args, flags))
     except ValidationError as exc:
-        parser.error(field_errors(exc, FLEET_FLAGS_BY_COMMAND[args.command]))
+        parser.error(field_errors(exc, flags))
     if args.command == "status":
         view = fleet_status(params.catalog, params.model, storage=params.storage)
         print(json.dumps(view.to_json(), sort_keys=True)) if args.json else print_view(view)

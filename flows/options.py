@@ -49,6 +49,7 @@ class Flag:
     name: str | None = None  # default: --field-name
     invert: bool = False  # a boolean field that defaults to True, given as --no-...
     required: bool = False
+    takes_value: bool = True  # False for a boolean: the flag alone sets it
 
     @property
     def dest(self) -> str:
@@ -80,7 +81,8 @@ def flag_of(model: type[BaseModel], path: str) -> Flag:
         holder = _field(model, head)[2]
         spelled = _extra(holder).get("flags", {}).get(leaf) or spelled
     default = None if info.is_required() else info.get_default(call_default_factory=False)
-    return Flag(path, spelled, invert=_plain(info.annotation) is bool and default is True)
+    boolean = _plain(info.annotation) is bool
+    return Flag(path, spelled, invert=boolean and default is True, takes_value=not boolean)
 
 
 def flags(model: type[BaseModel], *paths: str, exclude: Iterable[str] = ()) -> list[Flag]:
@@ -194,10 +196,17 @@ def given(args: argparse.Namespace, flags: list[Flag]) -> dict:
 def build(model: type[BaseModel], values: dict):
     """``model(**values)``, building nested settings through their own constructors (so they read their
     environment too, for whatever the flags left out)."""
+    from pydantic import ValidationError
+
     kwargs = dict(values)
     for name, value in values.items():
         if isinstance(value, dict) and name in model.model_fields:
-            kwargs[name] = build(_model_of(model.model_fields[name].annotation), value)
+            try:
+                kwargs[name] = build(_model_of(model.model_fields[name].annotation), value)
+            except ValidationError as exc:  # located in the model that holds it, as one model's error would be
+                raise ValidationError.from_exception_data(exc.title, [
+                    {"type": e["type"], "loc": (name, *e["loc"]), "input": e["input"],
+                     **({"ctx": e["ctx"]} if "ctx" in e else {})} for e in exc.errors()]) from None
     return model(**kwargs)
 
 
@@ -210,6 +219,17 @@ def field_errors(exc, flag_list: list[Flag]) -> str:
         path = ".".join(map(str, error["loc"]))
         parts.append(f"{options.get(path, path) or 'value'}: {as_flags(error['msg'], flag_list)}")
     return "; ".join(parts)
+
+
+def error_as_flags(exc, flag_list: list[Flag]) -> str:
+    """A ``RefitError`` for the user of a command: its message and its ``field`` context as flags."""
+    import copy
+
+    shown = copy.copy(exc)
+    shown.reason = as_flags(exc.reason, flag_list)
+    by_field = {f.field: f.option() for f in flag_list}
+    shown.field = by_field.get(exc.field, exc.field) if exc.field else exc.field
+    return shown._render()
 
 
 def as_flags(text: str, flag_list: list[Flag]) -> str:
@@ -235,8 +255,29 @@ def parse(parser: argparse.ArgumentParser, model: type[BaseModel], flag_list: li
     is a usage error naming its flag (exit 2)."""
     from pydantic import ValidationError
 
-    args = parser.parse_args(argv)
+    args = parser.parse_args(with_values(argv, flag_list))
     try:
         return build(model, given(args, flag_list)), args
     except ValidationError as exc:
         parser.error(field_errors(exc, flag_list))
+
+
+def with_values(argv: list[str], flag_list: list[Flag]) -> list[str]:
+    """``argv`` with each value-taking flag joined to the word after it (``--name-suffix -gpu3`` as
+    ``--name-suffix=-gpu3``): a flag that takes a value takes the next word, even one that starts with a dash
+    (argparse would read ``-gpu3`` as an unknown flag); a word that starts with ``--``, or ``-h``, is a flag."""
+    takes = {f.option() for f in flag_list if f.takes_value}
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word in takes:
+            value = next(words, None)
+            if value is not None and value.startswith("-") and not value.startswith("--") and value != "-h":
+                out.append(f"{word}={value}")
+                continue
+            out.append(word)
+            if value is not None:
+                out.append(value)
+        else:
+            out.append(word)
+    return out

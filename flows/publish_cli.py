@@ -12,7 +12,7 @@ import argparse
 import json
 from dataclasses import asdict, replace
 
-from flows.options import add_flags, as_flags, build, flags, given, parse
+from flows.options import add_flags, build, error_as_flags, flags, given, parse
 from storage.catalog.records import Catalog
 from storage.errors import RefitError
 from storage.settings import PublishParams
@@ -41,7 +41,7 @@ def parse_args(argv: list[str]) -> tuple[PublishParams, bool]:
 
 def cli_error(exc: RefitError) -> str:
     """A publication's error for the command line: the fields it names (``kind="full"``) as flags."""
-    return as_flags(str(exc), PUBLISH_FLAGS)
+    return error_as_flags(exc, PUBLISH_FLAGS)
 
 
 def orphans_main(argv: list[str]) -> int:
