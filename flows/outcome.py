@@ -89,18 +89,20 @@ def next_step_after_interrupt(params: RefitParams) -> str:
     return f"{refit_command(params)}  (run the refit again; the store recovers by itself)"
 
 
-# the options a repeated refit carries when the run had them: (field path, flag); a boolean's flag is given
-# when the run had the value the flag sets. The node, catalog, model, store and target are always given.
-_ALWAYS = (("catalog", "--catalog"), ("model", "--model"), ("node", "--node"), ("cache_dir", "--cache-dir"),
-           ("target", "--target"))
-_WHEN_SET = (("seed_checkpoint", "--seed-checkpoint"), ("initial_version", "--initial-version"),
-             ("installer.kind", "--installer"), ("installer.engine_urls", "--engine-url"),
-             ("storage.endpoint_url", "--s3-endpoint-url"), ("cache_max_gb", "--cache-max-gb"),
-             ("verify", "--verify"), ("only_if_newer", "--only-if-newer"), ("activate", "--no-activate"),
-             ("lock_timeout_s", "--lock-timeout"), ("apply_workers", "--apply-workers"),
-             ("storage.concurrency", "--fetch-workers"), ("retries", "--retries"),
-             ("retry_delay_s", "--retry-delay"), ("stage_retries", "--stage-retries"),
-             ("stage_retry_delay_s", "--stage-retry-delay"), ("trusted_keys", "--trusted-key"))
+# the options a repeated refit carries when the run had them: (field path, its flag, as the field defines it:
+# flows/options.py); a boolean's flag is given when the run had the value the flag sets. The node, catalog,
+# model, store and target are always given.
+def _flagged(*paths: str) -> tuple[tuple[str, str], ...]:
+    from flows.options import flag_of
+
+    return tuple((path, flag_of(RefitParams, path).option()) for path in paths)
+
+
+_ALWAYS = _flagged("catalog", "model", "node", "cache_dir", "target")
+_WHEN_SET = _flagged("seed_checkpoint", "initial_version", "installer.kind", "installer.engine_urls",
+                     "storage.endpoint_url", "cache_max_gb", "verify", "only_if_newer", "activate", "lock_timeout_s",
+                     "apply_workers", "storage.concurrency", "retries", "retry_delay_s", "stage_retries",
+                     "stage_retry_delay_s", "trusted_keys")
 REPEATED_OPTIONS = _ALWAYS + _WHEN_SET  # every flag of python -m flows.refit (tests/test_next_lines.py checks)
 
 
