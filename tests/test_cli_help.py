@@ -1,4 +1,5 @@
-"""Every command line is built from the settings models: each flag's help is its field's description.
+"""Every command line is built from the settings models: each flag is spelled on its field, and its help is the
+field's description.
 
 The entry points are run with ``--help`` as a user would; each flag they
 list must show the description of the field it sets and the environment
@@ -56,6 +57,18 @@ def test_help_shows_every_fields_description_and_variable(command):
             assert _squash(info.description) in text, (flag.option(), info.description)
             assert env_name(owner, name) in text, (flag.option(), env_name(owner, name))
     assert "PydanticUndefined" not in text
+
+
+def test_every_entry_point_spells_a_flag_as_its_field_defines_it():
+    """No entry point renames a flag: each flag is the one its field (or the field holding its model) defines,
+    and no two flags of one command set the same field."""
+    from flows.options import flag_of
+
+    for command, entries in _entry_points().items():
+        for model, flags in entries:
+            assert len({f.path for f in flags}) == len(flags), command
+            for flag in flags:
+                assert flag == flag_of(model, flag.path), (command, flag, flag_of(model, flag.path))
 
 
 def test_flags_set_the_fields_they_name_and_nothing_else():
