@@ -20,6 +20,37 @@ from deployments.agent_config import CANCELLING_EVENT, MAX_BACKOFF_S
 log = logging.getLogger("canonical_refit.agent")
 
 
+class _Receiving:
+    """One pending receive (``__anext__``) of an event stream, kept across the agent's one-second wake-ups.
+
+    A wake-up that finds no event leaves the receive running: cancelling it
+    would also cancel the subscriber's own reconnect (its handshake) halfway,
+    every second. It is cancelled only by ``close``, when the listening ends.
+    """
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._pending: asyncio.Future | None = None
+
+    async def next(self, *, timeout_s: float) -> Any | None:
+        """The next event, or None when none came within ``timeout_s`` (the receive goes on)."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._stream.__anext__())
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout_s)
+        if not done:
+            return None
+        received, self._pending = self._pending, None
+        return received.result()  # the stream's error (or its end) is raised here, as the receive's own
+
+    async def close(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait({pending})  # ended; its cancellation is not this task's
+            if not pending.cancelled():
+                pending.exception()  # it ended on its own meanwhile: retrieved, never reported as lost
+
+
 class EventListening:
     """The agent's event-stream threads (``run`` starts them; each reconnects with a backoff until stopped)."""
 
@@ -50,17 +81,19 @@ class EventListening:
                              related=EventRelatedFilter(id=[f"prefect.deployment.{i}" for i in ids]))
         async with PrefectEventSubscriber(api_url=api_url, filter=wanted, reconnect_on_clean_close=True) as events:
             self._wake.set()  # runs scheduled while the stream was down are picked up now
-            stream = events.__aiter__()
-            while not self.stop.stopped:
-                try:  # wake up every second to notice a stop (cancelling a websocket receive is safe)
-                    event = await asyncio.wait_for(stream.__anext__(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    continue
-                if event.event == CANCELLING_EVENT:
-                    self._cancelled(event.resource.id.rsplit(".", 1)[-1])
-                    continue
-                self.stats.wakeups += 1
-                self._wake.set()
+            receiving = _Receiving(events.__aiter__())
+            try:
+                while not self.stop.stopped:
+                    event = await receiving.next(timeout_s=1.0)  # wakes up every second to notice a stop
+                    if event is None:
+                        continue
+                    if event.event == CANCELLING_EVENT:
+                        self._cancelled(event.resource.id.rsplit(".", 1)[-1])
+                        continue
+                    self.stats.wakeups += 1
+                    self._wake.set()
+            finally:
+                await receiving.close()
 
     async def _subscribe_published(self, api_url: str) -> None:
         """Create a run of the fan-out deployment for every published event of the model, until stopped."""
@@ -78,20 +111,22 @@ class EventListening:
                     await client.create_flow_run_from_deployment(self._latest_id)
                     log.info("the published-event stream is back: one refit to latest for what it missed")
             self._subscribed_once = True
-            stream = events.__aiter__()
-            while not self.stop.stopped:
-                try:
-                    event = await asyncio.wait_for(stream.__anext__(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    continue
-                version = (event.payload or {}).get("version")
-                if not isinstance(version, str):
-                    log.warning("published event %s carries no version: ignored", event.id)
-                    continue
-                self.stats.api_requests += 1
-                run = await client.create_flow_run_from_deployment(
-                    self._fan_out_id, parameters=fan.parameters(version),
-                    idempotency_key=f"{event.id}:{self._fan_out_id}")  # one run per event and node
-                self.stats.fan_outs += 1
-                log.info("published %s: created flow run %s of %s", version, run.id, fan.deployment)
-                self._wake.set()
+            receiving = _Receiving(events.__aiter__())
+            try:
+                while not self.stop.stopped:
+                    event = await receiving.next(timeout_s=1.0)
+                    if event is None:
+                        continue
+                    version = (event.payload or {}).get("version")
+                    if not isinstance(version, str):
+                        log.warning("published event %s carries no version: ignored", event.id)
+                        continue
+                    self.stats.api_requests += 1
+                    run = await client.create_flow_run_from_deployment(
+                        self._fan_out_id, parameters=fan.parameters(version),
+                        idempotency_key=f"{event.id}:{self._fan_out_id}")  # one run per event and node
+                    self.stats.fan_outs += 1
+                    log.info("published %s: created flow run %s of %s", version, run.id, fan.deployment)
+                    self._wake.set()
+            finally:
+                await receiving.close()
