@@ -3,7 +3,7 @@
 The seed hard-links the launch snapshot's weight files into ``full/r0`` (the
 store never writes a ``full/`` file); the first delta copies that folder once
 (reflink, else ``copy_file_range``) and patches the copy. Measured through the
-refit runbook in a fresh process (``benchmarks.one_copy.first_refit``): the
+refit runbook in a fresh process (``python -m benchmarks.one_copy --child``, the benchmark's own child): the
 bytes that process wrote (``write_bytes`` of ``/proc/self/io``) against the
 model's bytes; then the failure and kill -9 paths of that first refit.
 """
@@ -16,11 +16,13 @@ import json
 import os
 from pathlib import Path
 
+import subprocess
+import sys
+
 import pytest
 
 import crash_support as cs
 import crash_trials as ct
-from benchmarks.one_copy import first_refit
 from flows.synthetic import ModelShape
 from lab import Lab
 from storage import durable
@@ -28,6 +30,22 @@ from storage.durable import CopyReport, copy_tree_files
 from storage.store.local_store import LocalStore
 
 SHAPE = ModelShape(vocab=2048, hidden=512, intermediate=1376, layers=2, shards=2)  # about 16 MB of bf16
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def first_refit(params: dict, scratch: Path, *, env: dict | None = None) -> dict:
+    """One refit in a fresh interpreter, run as the benchmark's child command (a test runs a benchmark as a
+    command, never imports it): its status, the process's ``write_bytes`` over the refit, its copy records."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    spec, out = scratch / "refit.spec.json", scratch / "refit.out.json"
+    spec.write_text(json.dumps({"params": params}, default=str))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CANONICAL_REFIT_", "PREFECT_"))}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.one_copy", "--child", str(spec), str(out)], cwd=ROOT,
+                          env=base | (env or {}), capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0 and out.exists(), done.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def _weights(folder: Path) -> list[Path]:
