@@ -241,13 +241,15 @@ def as_flags(text: str, flag_list: list[Flag]) -> str:
 
     def render(match: re.Match) -> str:
         option = options[match.group(1)]
-        value = match.group(2)
-        if value is None or option.invert:
+        value, literal = match.group(2), match.group(3)
+        if literal is not None and (literal == "True") == option.invert:  # not what the flag sets: as written
+            return match.group(0)
+        if value is None or not option.takes_value:  # a boolean's flag alone (``=True``: the flag sets it)
             return option.option()
         return f"{option.option()} {value}"
 
     names = "|".join(sorted(map(re.escape, options), key=len, reverse=True))
-    return re.sub(rf"(?<![\w.-])({names})=(?:\"([^\"]*)\")?", render, text)
+    return re.sub(rf"(?<![\w.-])({names})=(?:\"([^\"]*)\"|(True|False)\b)?", render, text)
 
 
 def parse(parser: argparse.ArgumentParser, model: type[BaseModel], flag_list: list[Flag], argv: list[str]):

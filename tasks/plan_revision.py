@@ -42,12 +42,12 @@ def plan_revision(pub: Publisher, source: MemoryCheckpoint | None = None, keep_b
     existing = existing_record(catalog, params.version) if params.version else None
     if params.kind == "initial":
         if latest is not None and existing is None:
-            raise LineageError(f"the catalog already has revisions (latest {latest.version}): --kind initial only "
-                               "starts an empty catalog; publish this checkpoint as --kind full or delta",
+            raise LineageError(f"the catalog already has revisions (latest {latest.version}): kind=\"initial\" only "
+                               'starts an empty catalog; publish this checkpoint as kind="full" or kind="delta"',
                                revision=params.version or "r0", file=catalog.url, field="sequence")
         sequence = 0
     elif latest is None:
-        raise LineageError("the catalog is empty: publish the launch revision first (--kind initial)",
+        raise LineageError('the catalog is empty: publish the launch revision first (kind="initial")',
                            file=catalog.url)
     if existing is not None:  # a republish (after a crash, or a retry): same version, same sequence
         sequence = existing.sequence
@@ -64,7 +64,7 @@ def plan_revision(pub: Publisher, source: MemoryCheckpoint | None = None, keep_b
         if params.base_checkpoint is not None:
             base_snapshot = snapshot_of(params.base_checkpoint, base.checksum_format, workers=params.workers)
             if base_snapshot.target_digest != base.target_digest:
-                raise LineageError(f"--base-checkpoint hashes to {base_snapshot.target_digest}, not the "
+                raise LineageError(f"the base_checkpoint= given hashes to {base_snapshot.target_digest}, not the "
                                    f"target_digest of the base revision {base.version}", revision=label,
                                    file=str(params.base_checkpoint), field="base_checkpoint")
         else:

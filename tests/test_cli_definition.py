@@ -103,3 +103,16 @@ def test_a_value_starting_with_a_dash_is_the_flags_value(tmp_path):
     with pytest.raises(SystemExit):  # a flag is never taken for a value
         serve_args(base + ["--name-suffix", "--node", "x"])
 
+
+
+def test_a_refused_launch_revision_says_kind_in_python_and_the_flag_on_the_command_line(tmp_path):
+    from flows.publish_cli import cli_error
+
+    kw = dict(catalog=f"file://{tmp_path}/catalog", model=MODEL, state_dir=tmp_path / "state", emit_event=False)
+    api.publish(step(0), kind="initial", **kw)
+    with pytest.raises(LineageError) as caught:
+        api.publish(step(1), kind="initial", version="again", **kw)
+    assert 'kind="initial" only starts an empty catalog' in str(caught.value), caught.value
+    assert 'as kind="full" or kind="delta"' in str(caught.value), caught.value
+    shown = cli_error(caught.value)
+    assert "--kind initial only starts an empty catalog" in shown and "--kind full or --kind delta" in shown, shown

@@ -99,7 +99,7 @@ def test_two_publications_never_share_a_sequence(flow_lab):
     assert sorted(r.sequence for r in results) == [1, 2]
     catalog = Catalog(ObjectStore(), lab.catalog, lab.model)
     assert catalog.latest().sequence == 2  # never ambiguous
-    with pytest.raises(LineageError, match="--kind initial only starts an empty catalog"):
+    with pytest.raises(LineageError, match='kind="initial" only starts an empty catalog'):
         lab.publish("initial", lab.current, version="again")
 
 

@@ -131,7 +131,7 @@ def test_conditional_write_probe(s3):
         with pytest.raises(ConditionalWritesUnsupported, match="If-None-Match") as err:
             careless.ensure_conditional_writes(join_url(prefix, "catalog"))
         assert proxy.url in str(err.value)
-        assert "--allow-unconditional-writes" in str(err.value)
+        assert "allow_unconditional_writes=True" in str(err.value)  # the field (the publish CLI: its flag)
         careless.ensure_conditional_writes(join_url(prefix, "catalog"), allow_unconditional=True)
         probes = len(proxy.requests(".canonical-refit-probe", "PUT"))
         with pytest.raises(ConditionalWritesUnsupported):  # remembered per server: not probed again

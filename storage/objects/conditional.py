@@ -53,7 +53,7 @@ def ensure_conditional_writes(store: _Store, prefix_url: str, *, allow_unconditi
     )
     if not allow_unconditional:
         raise ConditionalWritesUnsupported(
-            message + "; use a server that enforces them or pass --allow-unconditional-writes",
+            message + "; use a server that enforces them or pass allow_unconditional_writes=True",
             file=prefix_url,
         )
     log.warning("%s; continuing because unconditional writes were explicitly allowed", message)
