@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from flows.options import add_flags, build, field_errors, flags, given, with_values
+from flows.options import add_flags, build, field_errors, flags as field_flags, given, with_values
 from storage.catalog.records import Catalog
 from storage.errors import RefitError
 from storage.catalog.nodes import NodeRecord, delete_node_record, read_node_records, scan_node_records
@@ -344,9 +344,10 @@ def poisoned_alert(model: str, block_document_id, *, name: str | None = None):
     )
 
 
-STATUS_FLAGS = flags(FleetParams, "catalog", "model", "storage.endpoint_url")
-WAIT_FLAGS = STATUS_FLAGS + flags(FleetParams, "version", "nodes", "expect", "all_seen_within_s", "timeout_s", "poll_s")
-FORGET_FLAGS = STATUS_FLAGS + flags(FleetParams, "node")
+STATUS_FLAGS = field_flags(FleetParams, "catalog", "model", "storage.endpoint_url")
+WAIT_FLAGS = STATUS_FLAGS + field_flags(FleetParams, "version", "nodes", "expect", "all_seen_within_s",
+                                         "timeout_s", "poll_s")
+FORGET_FLAGS = STATUS_FLAGS + field_flags(FleetParams, "node")
 FLEET_FLAGS_BY_COMMAND = {"status": STATUS_FLAGS, "wait": WAIT_FLAGS, "forget": FORGET_FLAGS}
 
 
