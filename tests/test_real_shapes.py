@@ -123,3 +123,79 @@ def test_a_checkpoint_reopened_is_parsed_again_when_its_bytes_changed(tmp_path):
     shard.write_bytes(changed[:8] + b"x" + changed[9:] + data[header.data_offset:])  # no longer JSON
     with pytest.raises(SafetensorsError):
         CheckpointIndex.open(folder)
+
+
+def test_no_collection_runs_while_a_refit_holds_the_store_and_a_verified_record_is_parsed_once(
+        tmp_path, monkeypatch):
+    """The cyclic collector does not run between taking the store lock and releasing it (each collection walks
+    the whole index), and runs again afterwards; a store object parses a verified record (a checksum per tensor)
+    once however often it is asked for, and again once the file was rewritten."""
+    import gc
+    import json
+    import sys
+
+    import storage.store.local_store as local_store
+    import tasks.receiver as receiver
+    from storage.durable import atomic_write_json
+    from storage.store.records import VerifiedCheckpoint
+
+    specs = shape_layout("deepseek-v3", SMALL_SCALES["deepseek-v3"])
+    model, catalog = "lab/memo", f"file://{tmp_path}/catalog"
+    publish = dict(state_dir=tmp_path / "publisher", emit_event=False, catalog=catalog, model=model)
+    r0 = ShapedCheckpoint.random(specs, seed=4)
+    launch = r0.write(tmp_path / "launch", shard_tensors=200)
+    api.publish(launch, kind="initial", **publish)
+    api.publish(r0.step(seed=21).write(tmp_path / "r1", shard_tensors=200), **publish)
+    refit = dict(catalog=catalog, model=model, cache_dir=tmp_path / "cache", seed_checkpoint=launch,
+                 installer={"kind": "none"})
+    assert api.refit(target="r0", **refit).status == "READY"
+
+    collections: list[bool] = []  # one per collection: was the store held?
+    held: list[bool] = []
+    preparation = receiver.Receiver.preparation
+
+    class Watched:
+        def __init__(self, rx, *args, **kwargs):
+            self.cm = preparation(rx, *args, **kwargs)
+
+        def __enter__(self):
+            value = self.cm.__enter__()
+            held.append(True)
+            return value
+
+        def __exit__(self, *exc):
+            held.clear()
+            return self.cm.__exit__(*exc)
+
+    def collected(phase, info):
+        if phase == "start":
+            collections.append(bool(held))
+
+    monkeypatch.setattr(receiver.Receiver, "preparation", lambda rx, *a, **k: Watched(rx, *a, **k))
+    gc.callbacks.append(collected)
+    try:
+        result = api.refit(target="r1", **refit)
+        assert (result.status, result.version) == ("READY", "r1")
+        assert gc.isenabled()
+        gc.collect()
+    finally:
+        gc.callbacks.remove(collected)
+    assert True not in collections, collections
+    assert False in collections  # the collector runs outside
+
+    parsed: list[str] = []
+    memo_module = sys.modules[local_store._VerifiedMemo.__module__]  # where the store's record reads happen
+    read = memo_module.read_record
+    monkeypatch.setattr(memo_module, "read_record", lambda cls, path: (
+        parsed.append(path.name) if cls is VerifiedCheckpoint else None) or read(cls, path))
+    store = LocalStore(tmp_path / "cache", model, create=False)
+    records = [store.verified("r1") for _ in range(5)] + [store.inventory()["r1"], store.current()]
+    assert parsed.count("r1.json") == 1 and len(parsed) == len(set(parsed)), parsed  # each record parsed once
+    assert all((r.target_digest, r.checksums) == (records[0].target_digest, records[0].checksums) for r in records)
+    path = store.root / "verified" / "r1.json"
+    raw = json.loads(path.read_text())
+    raw["verified_at_unix_ms"] += 1
+    atomic_write_json(path, raw)  # rewritten (a new file): parsed again by the same store object
+    again = store.verified("r1")
+    assert parsed.count("r1.json") == 2, parsed
+    assert again.verified_at_unix_ms == records[0].verified_at_unix_ms + 1
