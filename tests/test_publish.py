@@ -155,3 +155,25 @@ def test_publish_help_documents_every_flag():
                  "--base-checkpoint", "--state-dir", "--no-keep-copy", "--encoding", "--checksum-format",
                  "--bucket-mib", "--zstd-level", "--workers", "--allow-unconditional-writes", "--no-event", "--json"):
         assert flag in out.stdout
+
+
+def test_a_bucket_holds_at_most_max_bucket_tensors_whatever_their_bytes(lab, tmp_path, monkeypatch):
+    """A step of many tiny tensors is cut into buckets by count too: one bucket of 500k tensors would pass every
+    byte limit yet have a header a receiver refuses (storage.bounded_json.HEADER's element bound)."""
+    import storage.catalog.publisher as publisher
+
+    monkeypatch.setattr(publisher, "MAX_BUCKET_TENSORS", 3)
+    base_dir = lab.write(lab.current, "base")
+    target = train_step(lab.current, seed=11)
+    payload = stage_delta(_snap(base_dir), CheckpointIndex.open(lab.write(target, "target")), tmp_path / "out",
+                          version="r1", base_version="r0", encoding="xor", level=3, bucket_max_bytes=1 << 30,
+                          workers=2)
+    index = json.loads((tmp_path / "out" / "delta.safetensors.index.json").read_text())
+    members = {}
+    for name, bucket in index["weight_map"].items():
+        members.setdefault(bucket, []).append(name)
+    assert len(index["weight_map"]) > 6 and max(len(names) for names in members.values()) == 3
+    assert len(members) == len(payload.files) == -(-len(index["weight_map"]) // 3)
+    for bucket, names in members.items():  # each bucket holds exactly the frames the index names
+        with safe_open(str(tmp_path / "out" / bucket), framework="numpy") as f:
+            assert sorted(f.keys()) == sorted(names)

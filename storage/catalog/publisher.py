@@ -38,6 +38,8 @@ from storage.format.tensor_source import MemoryCheckpoint
 from storage.killpoints import killpoint
 
 log = logging.getLogger("canonical_refit.publisher")
+MAX_BUCKET_TENSORS = 65_536  # tensors a delta bucket holds at most: its header stays far below a receiver's
+# element bound (storage.bounded_json.HEADER, about 380k tensors) at any tensor count (a 500k-tensor step of tiny tensors)
 
 
 @dataclass(frozen=True)
@@ -172,7 +174,8 @@ def stage_delta(
     Buckets are named ``{bucket_prefix}-{n:05d}.safetensors`` (a trainer rank's part names its own).
 
     Tensors are visited in name order and packed into buckets of at most
-    ``bucket_max_bytes`` decoded bytes (a larger tensor gets its own);
+    ``bucket_max_bytes`` decoded bytes (a larger tensor gets its own) and at
+    most ``MAX_BUCKET_TENSORS`` tensors (a receiver's header bound);
     unchanged tensors are omitted. ``workers`` threads encode tensors ahead
     (results taken in name order), each in one pass over base and target
     (``storage.format.encoding``). Memory holds the frames of the tensors in flight.
@@ -217,7 +220,7 @@ def stage_delta(
                     progress(nbytes)
                 if encoded.frame is None:
                     continue
-                if bucket and bucket_decoded + nbytes > bucket_max_bytes:
+                if bucket and (bucket_decoded + nbytes > bucket_max_bytes or len(bucket) >= MAX_BUCKET_TENSORS):
                     flush()
                 bucket.append((name, encoded.frame, encoded.checksum))
                 bucket_decoded += nbytes
