@@ -85,7 +85,8 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
     serve = spawn([PYTHON, "-m", "deployments.serve", "--catalog", catalog, "--model", MODEL,
                    "--seed-checkpoint", str(trainer.launch), "--cache-dir", str(cache), "--installer", "none",
                    "--apply-workers", "2", "--poll-seconds", str(POLL_S), "--node", "lab1",
-                   "--allow-remote-rollback"], env, log)  # the rollback recipe below: this node allows it
+                   "--allow-remote-rollback",  # the rollback recipe below: this node allows it
+                   "--head-poll-seconds", "60"], env, log)  # the slowest head check: r2 below is announced by hand
     diagnostics = lambda: tail(log)  # noqa: E731
     names = ["refit/refit-latest-lab1", "refit/refit-on-publish-lab1"]
     try:
@@ -97,8 +98,9 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
             assert latest.parameters["params"]["target"] == "latest"
 
             # the trainer publishes the launch revision and one delta; each emits the published event
-            wait_until("serve's start-up refit to latest", lambda: refit_runs(client, latest.id), 60,
-                       diagnostics=diagnostics)
+            # a started run: the server's scheduler also creates the interval schedule's runs, never started
+            wait_until("serve's start-up refit to latest", lambda: [r for r in refit_runs(client, latest.id)
+                                                                    if r.start_time], 60, diagnostics=diagnostics)
             before_publishing = datetime.now(timezone.utc)
             r0 = publish(env, catalog, MODEL, trainer.folders[0], state_dir, "--kind", "initial")
             assert r0["version"] == "r0"
