@@ -139,7 +139,7 @@ class Backend:
 def pad(backend: Backend, catalog_url: str, first: int, last: int) -> None:
     """Records ``r{first}`` .. ``r{last}`` (full checkpoints nothing reads) with their claims, the last through
     ``Catalog.write`` (the head hint then names it), as a run of publications leaves them."""
-    from storage.canonical import canonical_json
+    from storage.jsonio.canonical import canonical_json
     from storage.catalog.records import Catalog, Revision
     from storage.objects.store import ObjectStore
     from storage.urls import join_url

@@ -1,6 +1,6 @@
 """Check the in-engine loader against the real SGLang package, on CPU, in its own virtual environment.
 
-CI only ever runs ``tasks.installers.sglang_loader`` against stand-ins (tests/sglang_support.py).
+CI only ever runs ``tasks.installers.sglang_loader`` against stand-ins (tests/support/sglang_support.py).
 This check installs the real ``sglang`` into a separate virtual environment and runs the adapter
 against SGLang's real ``DefaultModelLoader`` and a real SGLang model class:
 

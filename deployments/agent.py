@@ -71,7 +71,7 @@ from deployments.agent_events import EventListening
 from deployments.agent_head import HeadCheck, _only_if_newer, _target  # noqa: F401 (re-exported)
 from deployments.agent_runs import RunExecution
 from deployments.orphans import agent_identity, crash_orphans, ensure_zombie_automation
-from storage.cancel import StopToken, current_stop
+from storage.runtime.cancel import StopToken, current_stop
 from storage.format.status import DRIFTED
 
 log = logging.getLogger("canonical_refit.agent")
@@ -287,7 +287,7 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
     recovers it, and the run left ``Running`` on the server is closed by the
     next start's orphan check (``deployments/orphans.py``).
     """
-    from storage.cancel import signals_stop_the_run
+    from storage.runtime.cancel import signals_stop_the_run
 
     outcome: dict = {}
     stopped_at: list[float] = []

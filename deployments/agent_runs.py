@@ -18,7 +18,7 @@ from uuid import UUID
 from deployments.orphans import CLAIM
 from deployments.pinning import RunRefused
 from flows.prefect_adapter import run_claimed_flow
-from storage.cancel import StopToken, current_stop
+from storage.runtime.cancel import StopToken, current_stop
 
 log = logging.getLogger("canonical_refit.agent")
 

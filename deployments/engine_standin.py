@@ -28,7 +28,7 @@ real engine's does: killing it meanwhile is how a poisoned node is tried.
 The in-engine loader (``--installer sglang``) needs SGLang itself; the
 stand-in serves ``sglang-disk``.
 
-The tests' engine (``tests/sglang_mock.py``) is this server with real weights
+The tests' engine (``tests/support/sglang_mock.py``) is this server with real weights
 loaded into a small model and faults to inject.
 """
 

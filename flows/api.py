@@ -146,7 +146,7 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
             state = refit_flow(params, return_state=True)  # a subflow of the caller's flow run
         result = result_of(state, watch)
     else:
-        from storage.cancel import signals_stop_the_run
+        from storage.runtime.cancel import signals_stop_the_run
 
         with signals_stop_the_run():  # a Ctrl-C (a notebook's interrupt) stops this refit only
             result = run_refit(params, installer=engine)

@@ -141,7 +141,7 @@ def run_cli_refit(params) -> RefitResult:
     from flows.prefect_api import prefect_api
     from flows.refit import refit
     from flows.report import watching
-    from storage.cancel import signals_stop_the_run
+    from storage.runtime.cancel import signals_stop_the_run
 
     outcome: dict = {}
     finished = threading.Event()

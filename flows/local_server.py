@@ -109,7 +109,7 @@ class ServerRecord:
 
 
 def read_record(folder: Path) -> ServerRecord | None:
-    from storage import bounded_json  # here, not at the top: a command asks for its server before importing
+    from storage.jsonio import bounded_json  # here, not at the top: a command asks for its server before importing
     from storage.errors import FormatError
 
     path = folder / RECORD

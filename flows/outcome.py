@@ -103,7 +103,7 @@ _WHEN_SET = _flagged("seed_checkpoint", "initial_version", "installer.kind", "in
                      "storage.endpoint_url", "cache_max_gb", "verify", "only_if_newer", "activate", "lock_timeout_s",
                      "apply_workers", "storage.concurrency", "retries", "retry_delay_s", "stage_retries",
                      "stage_retry_delay_s", "trusted_keys")
-REPEATED_OPTIONS = _ALWAYS + _WHEN_SET  # every flag of python -m flows.refit (tests/test_next_lines.py checks)
+REPEATED_OPTIONS = _ALWAYS + _WHEN_SET  # every flag of python -m flows.refit (tests/system/test_next_lines.py checks)
 
 
 def refit_command(params: RefitParams) -> str:

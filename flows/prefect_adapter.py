@@ -53,7 +53,7 @@ log = logging.getLogger("canonical_refit.prefect")
 R = TypeVar("R")
 
 SUPPORTED = ((3, 9), (3, 10))  # the Prefect versions this module was written and tested against: >=3.9,<3.10
-PINNED = "prefect>=3.9,<3.10"  # pyproject.toml's requirement, the same range (tests/test_prefect_adapter.py)
+PINNED = "prefect>=3.9,<3.10"  # pyproject.toml's requirement, the same range (tests/system/test_prefect_adapter.py)
 REQUIRED = (  # module, attribute (dotted inside the module): every internal this module touches
     ("prefect._internal.uuid7", "uuid7"),
     ("prefect.client.schemas.objects", "TaskRun"),

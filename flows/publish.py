@@ -34,7 +34,7 @@ from prefect import flow
 
 from storage.catalog.records import Revision
 from storage.errors import ImmutableConflict, RefitError
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.urls import join_url
 from storage.catalog.kept_base import KEEP_BASES, PublisherCopy, StagedCopy
 from storage.catalog.publisher import PAYLOAD_FORMATS, Payload, Snapshot, make_record, same_publication

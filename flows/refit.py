@@ -24,11 +24,11 @@ from prefect import flow
 from prefect.states import State
 
 from flows.report import READY, SKIPPED, Attempt, PrefectReporter, RefitResult, current_watch
-from storage.cancel import StopToken, current_stop, signals_stop_the_run
+from storage.runtime.cancel import StopToken, current_stop, signals_stop_the_run
 from storage.errors import Interrupted
 from storage.store.flush import flush_in_background
 from storage.store.local_store import UPDATING
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.patch.pipeline import Arrivals
 from storage.patch.reconstruct import roll_back
 from storage.settings import RefitParams

@@ -38,7 +38,7 @@ from storage.errors import CatalogError, LineageError, ObjectNotFound, RefitErro
 from storage.format.checkpoint import INDEX_FILE, CheckpointIndex, require_same_layout
 from storage.format.digests import snapshot_digest
 from storage.format.tensor_source import MemoryCheckpoint
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.settings import PublishParams
 from storage.urls import join_url
 from tasks.plan_revision import claim_sequence

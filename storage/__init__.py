@@ -1,9 +1,10 @@
 """Everything below the pipeline: formats, object storage, the catalog, the node's store, the patch engine.
 
-No Prefect here. The rooms, and which way imports go (``tests/test_layers.py`` enforces it):
+No Prefect here. The rooms, and which way imports go (``tests/system/test_layers.py`` enforces it):
 
-    storage/               cross-cutting: errors, settings, retry, cancel, killpoints, urls, durable, canonical,
-                           bounded_json, keys
+    storage/               cross-cutting: errors, settings, retry, urls, durable, keys
+    storage/jsonio/        cross-cutting: canonical JSON and the bounded parser
+    storage/runtime/       cross-cutting: stop tokens, the collector pause, kill points
                            (imported by every room; import none of them)
     storage/format/        bytes and their rules: safetensors, zstd frames, delta codecs, digests, checkpoints
     storage/objects/       object storage through fsspec: the store, ranged/resumable transfers, multipart, errors

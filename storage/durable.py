@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from storage.bounded_json import STORE_RECORD, load_json, read_bounded
-from storage.canonical import canonical_json
+from storage.jsonio.bounded_json import STORE_RECORD, load_json, read_bounded
+from storage.jsonio.canonical import canonical_json
 from storage.errors import StoreRecordError
 
 COPY_CHUNK = 64 * 2**20
@@ -134,7 +134,7 @@ def create_only_write(path: Path, write: Callable) -> bool:
 
 def read_json_file(path: Path):
     """Parsed JSON of a local file, or None if it does not exist; ``StoreRecordError`` (a ``ValueError`` too)
-    naming the file if it is not a regular file or not bounded strict JSON (storage.bounded_json.STORE_RECORD)."""
+    naming the file if it is not a regular file or not bounded strict JSON (storage.jsonio.bounded_json.STORE_RECORD)."""
     raw = read_bounded(path, STORE_RECORD, error=StoreRecordError, missing_ok=True, local_file=str(path))
     return None if raw is None else load_json(raw, STORE_RECORD, error=StoreRecordError, local_file=str(path))
 

@@ -17,7 +17,7 @@ a request          transient I/O of that one request:    ``ObjectStoreSettings.r
                    reset, a short body                   ``backoff_max_s``); botocore's own retries are off
                                                          (``storage/objects/s3client.py``)
 a stage            nothing: it runs once. Its time is    ``tasks/stage.py`` (no loop); the stop token
-                   bounded by its requests (attempts x   (``storage/cancel.py``) ends it at once on an
+                   bounded by its requests (attempts x   (``storage/runtime/cancel.py``) ends it at once on an
                    timeouts, capped backoff) and by the  interrupt or a cancellation
                    run's stop token
 a refit            the whole run, after a transient      ``RefitParams.run_retry_policy`` (``retries``,

@@ -10,7 +10,7 @@ from pathlib import Path
 from storage.store.artifacts import DELTA, FULL, bucket_bound, shard_bound
 from storage.durable import tree_size
 from storage.errors import Cancelled, FormatError, ManifestError, RefitError, SafetensorsError
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.catalog.manifests import Manifest
 from storage.patch.pipeline import Arrivals
 from storage.store.quota import ensure_capacity

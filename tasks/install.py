@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storage.errors import InstallError, PoisonedError, ReceiverPoisoned
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.store.local_store import LocalStore
 from tasks.installers import InstallRequest
 from tasks.receiver import Receiver

@@ -11,7 +11,7 @@ from storage.catalog.records import Catalog, Revision
 from storage.errors import ImmutableConflict, LineageError, RefitError
 from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.format.tensor_source import MemoryCheckpoint
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from tasks.publisher import Publisher
 from tasks.stage import Stage
 

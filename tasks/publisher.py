@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from storage.cancel import StopToken, current_stop
+from storage.runtime.cancel import StopToken, current_stop
 from storage.catalog.records import Catalog
 from storage.catalog.signing import RecordSigner
 from storage.errors import SignatureError

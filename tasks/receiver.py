@@ -9,12 +9,12 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from storage.store.artifacts import ArtifactCache
-from storage.cancel import StopToken, current_stop
+from storage.runtime.cancel import StopToken, current_stop
 from storage.catalog.records import Catalog
 from storage.catalog.signing import RecordVerifier
 from storage.durable import remove_tree
-from storage.gc_pause import gc_paused
-from storage.killpoints import killpoint
+from storage.runtime.gc_pause import gc_paused
+from storage.runtime.killpoints import killpoint
 from storage.store.local_store import LocalStore
 from storage.objects.store import ObjectStore, TransferStats
 from storage.settings import RefitParams

@@ -14,7 +14,7 @@ from storage.durable import (
     CopyReport, boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree,
 )
 from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.store.local_store import Chain, VerifiedCheckpoint, now_ms
 from storage.store.quota import ensure_capacity
 from tasks.receiver import Receiver

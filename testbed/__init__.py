@@ -4,7 +4,7 @@ Not installed (``pyproject.toml`` lists only the product's packages): it is
 imported from the repository root, like ``tests/`` and ``benchmarks/``.
 It imports the product (``storage``, ``tasks``, ``flows``, ``deployments``),
 never ``tests/`` or ``benchmarks/``, and the product never imports it
-(``tests/test_layers.py`` enforces both).
+(``tests/system/test_layers.py`` enforces both).
 
     processes       free ports, bounded waits, log tails, clean environments, stopping a process group,
                     CPU/RSS of a process, load average, the machine

@@ -19,7 +19,7 @@ how many requests overlapped. The proxy stops itself after ``lifetime_s``.
 ``python -m testbed.s3proxy UPSTREAM [--bandwidth-mb-s N] [--latency-ms N]``
 serves one in its own process (so it does not share the client's GIL) and
 prints its URL (the transfer benchmark runs it so). The tests put one in front
-of their moto server (``tests/s3_support.py``); the fleet lab one in front of
+of their moto server (``tests/support/s3_support.py``); the fleet lab one in front of
 each node's S3.
 
 It stays one module of about 500 lines: the proxy, its request handler and

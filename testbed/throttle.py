@@ -20,7 +20,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from storage.canonical import canonical_json
+from storage.jsonio.canonical import canonical_json
 
 PROTOCOL = "throttled"
 CHUNK = 1 * 2**20

@@ -8,7 +8,6 @@ analytics off, and (for tests that run flows) a session-scoped
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,14 +22,11 @@ os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")  # s
 for key in [k for k in os.environ if k.startswith("CANONICAL_REFIT_") or k.startswith("AWS_")]:
     del os.environ[key]  # the tests build every setting themselves
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]  # tests is a package: pytest puts the repository root on the path
 
 import pytest  # noqa: E402
 
-from lab import Lab, tiny_shape  # noqa: E402
+from tests.support.lab import Lab, tiny_shape  # noqa: E402
 
 
 def pytest_xdist_auto_num_workers(config) -> int:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from storage.bounded_json import RECORD, load_json
-from storage.canonical import canonical_json
+from storage.jsonio.bounded_json import RECORD, load_json
+from storage.jsonio.canonical import canonical_json
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import CatalogError, ImmutableConflict, ObjectNotFound, RefitError, StorageError
 from storage.urls import join_url

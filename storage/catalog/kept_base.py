@@ -23,7 +23,7 @@ from storage.durable import (
 from storage.errors import LineageError
 from storage.format.checkpoint import CheckpointIndex
 from storage.format.tensor_source import MemoryCheckpoint
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 
 
 KEEP_BASES = ("disk", "memory")

@@ -8,12 +8,12 @@ from typing import Mapping
 
 from storage.catalog.records import Revision
 from storage.format.checkpoint import check_shard_name
-from storage.bounded_json import INDEX, load_json
+from storage.jsonio.bounded_json import INDEX, load_json
 from storage.format.digests import CHECKSUM_FORMATS
 from storage.errors import FormatError, ManifestError
 from storage.urls import join_url, parent_url
 
-MAX_INDEX_BYTES = INDEX.max_bytes  # 64 MiB; depth and element bounds: storage.bounded_json.INDEX
+MAX_INDEX_BYTES = INDEX.max_bytes  # 64 MiB; depth and element bounds: storage.jsonio.bounded_json.INDEX
 DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.format.gaps
 DELTA_INDEX_FILE = "delta.safetensors.index.json"
 

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as strict_dataclass
 
-from storage.bounded_json import RECORD, load_record
-from storage.canonical import canonical_json
+from storage.jsonio.bounded_json import RECORD, load_record
+from storage.jsonio.canonical import canonical_json
 from storage import errors
 from storage.errors import FormatError, RefitError
 from storage.format.status import DRIFTED, FAILED, POISONED, STALE, NodeStatus, Status

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from storage.bounded_json import PART, RECORD, load_json
-from storage.canonical import canonical_json
+from storage.jsonio.bounded_json import PART, RECORD, load_json
+from storage.jsonio.canonical import canonical_json
 from storage.errors import CatalogError, ObjectNotFound
 from storage.format.digests import format_digest, snapshot_digest
 from storage.objects.store import ObjectStore
@@ -29,7 +29,7 @@ from storage.urls import join_url
 
 PLAN_SCHEMA = "canonical-refit.publication-plan.v1"
 PART_SCHEMA = "canonical-refit.publication-part.v1"
-MAX_PART_BYTES = PART.max_bytes  # 64 MiB; a plan is a RECORD (1 MiB): storage.bounded_json
+MAX_PART_BYTES = PART.max_bytes  # 64 MiB; a plan is a RECORD (1 MiB): storage.jsonio.bounded_json
 
 
 @dataclass(frozen=True)

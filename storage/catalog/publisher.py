@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
-from storage.gc_pause import gc_paused_call
+from storage.runtime.gc_pause import gc_paused_call
 from storage.catalog.records import SCHEMA, Catalog, Revision
 from storage.format.checkpoint import INDEX_FILE, CheckpointIndex, TensorLocation, require_same_layout
 from storage.format import autoselect
 from storage.format.autoselect import Choice
 from storage.format.encoding import CANONICAL, EXTENDED, Encoded, Encoder, FileSlice, Setting
-from storage.canonical import canonical_json
+from storage.jsonio.canonical import canonical_json
 from storage.format.digests import snapshot_digest
 from storage.durable import copy_bytes, remove_tree
 from storage.errors import ObjectNotFound
@@ -35,11 +35,11 @@ from storage.objects.store import ObjectStore
 from storage.urls import join_url
 from storage.format.safetensors import encode_header, write_safetensors
 from storage.format.tensor_source import MemoryCheckpoint
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 
 log = logging.getLogger("canonical_refit.publisher")
 MAX_BUCKET_TENSORS = 65_536  # tensors a delta bucket holds at most: its header stays far below a receiver's
-# element bound (storage.bounded_json.HEADER, about 380k tensors) at any tensor count (a 500k-tensor step of tiny tensors)
+# element bound (storage.jsonio.bounded_json.HEADER, about 380k tensors) at any tensor count (a 500k-tensor step of tiny tensors)
 
 
 @dataclass(frozen=True)

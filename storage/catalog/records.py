@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping
 
-from storage.canonical import canonical_json
+from storage.jsonio.canonical import canonical_json
 from storage.durable import atomic_write_json, read_json_file
 from storage.errors import CatalogError, LineageError, ObjectNotFound, RefitError
 from storage.objects.store import ObjectStore

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.bounded_json import RECORD, load_json
+from storage.jsonio.bounded_json import RECORD, load_json
 from storage.errors import Cancelled, CatalogError, Interrupted, InvalidURI, RefitError
 from storage.format.digests import DIGEST_PATTERN
 from storage.urls import normalize_url

@@ -28,8 +28,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from storage.bounded_json import RECORD, load_json
-from storage.canonical import canonical_json
+from storage.jsonio.bounded_json import RECORD, load_json
+from storage.jsonio.canonical import canonical_json
 from storage.durable import create_only_write
 from storage.errors import SignatureError
 from storage.keys import label, load_private_key, load_public_key

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from storage.bounded_json import INDEX, load_json, read_bounded
+from storage.jsonio.bounded_json import INDEX, load_json, read_bounded
 from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
-from storage.gc_pause import gc_paused, gc_paused_call
+from storage.runtime.gc_pause import gc_paused, gc_paused_call
 from storage.format.safetensors import SafetensorsHeader, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"

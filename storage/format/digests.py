@@ -7,9 +7,9 @@ import re
 import zlib
 from typing import Iterable, Mapping, Protocol
 
-from storage.canonical import canonical_json
+from storage.jsonio.canonical import canonical_json
 from storage.errors import FormatError
-from storage.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused
 
 CHECKSUM_FORMATS = ("adler32", "xxh3-128", "blake3")
 CHECKSUM_HEX_LENGTH = {"adler32": 8, "xxh3-128": 32, "blake3": 64}

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
 
-from storage.bounded_json import HEADER, load_json
+from storage.jsonio.bounded_json import HEADER, load_json
 from storage.errors import SafetensorsError
-from storage.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
-from storage.cancel import StopToken
+from storage.runtime.cancel import StopToken
 from storage.format.changes import PAGE, DenseChange, page_runs, page_spans, touched_pages
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
 from storage.format.codec import DENSE_PAGES_RATIO, Decoder, make_decoder
 from storage.format.frames import SMALL_FRAME, decode_small
 from storage.format.digests import checksum_bytes, new_checksum
 from storage.errors import ChecksumMismatch
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.format.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from storage.cancel import StopToken
+from storage.runtime.cancel import StopToken
 from storage.durable import COPY_CHUNK, CopyReport, copy_file, fsync_dir, reflink_file, source_files
 from storage.format.checkpoint import CheckpointIndex
 

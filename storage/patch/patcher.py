@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
 from storage.patch.applier import SMALL, Maps, Progress, apply_tensor, apply_tiny, is_tiny, undo
-from storage.cancel import StopToken
+from storage.runtime.cancel import StopToken
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
 from storage.format.codec import ValidatedFrame, check_frame
 from storage.format.digests import is_checksum
@@ -32,7 +32,7 @@ from storage.errors import Cancelled, CodecError, ManifestError, RefitError
 from storage.catalog.manifests import Manifest
 from storage.format.mapped import MappedFiles
 from storage.format.safetensors import read_header
-from storage.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache

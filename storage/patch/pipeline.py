@@ -15,11 +15,11 @@ import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from storage.cancel import StopToken
+from storage.runtime.cancel import StopToken
 from storage.format.checkpoint import TensorLocation
 from storage.errors import Cancelled, RefitError, StoreError
 from storage.catalog.manifests import Manifest
-from storage.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused
 from storage.patch.patcher import PatchStep, TensorPlan, bucket_steps, tensor_plan
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from storage.store import launch_files
-from storage.cancel import StopToken
+from storage.runtime.cancel import StopToken
 from storage.catalog.records import Revision, parse_revision
 from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.format.digests import snapshot_digest
@@ -31,7 +31,7 @@ from storage.durable import (
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
 )
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.store.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
 from storage.catalog.manifests import Manifest, parse_delta_manifest
 from storage.patch.first_copy import CopyAsPatched, reflinks

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 
-from storage.cancel import StopToken
+from storage.runtime.cancel import StopToken
 from storage.durable import fsync_files
 from storage.store.local_store import LocalStore, VerifiedCheckpoint
 

@@ -22,7 +22,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.canonical import canonical_json
+from storage.jsonio.canonical import canonical_json
 from storage.durable import atomic_write_json, copy_file, fsync_dir, read_json_file, remove_tree
 from storage.errors import StoreError
 

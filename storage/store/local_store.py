@@ -44,7 +44,7 @@ from storage.durable import (
     remove_tree, tree_size,
 )
 from storage.errors import Cancelled, InstallError, Interrupted, RefitError, StoreError
-from storage.killpoints import killpoint
+from storage.runtime.killpoints import killpoint
 from storage.store.capacity import RESERVE_FLOOR_BYTES, StoreCapacity  # noqa: F401  (re-exported)
 from storage.store.layout import (  # noqa: F401  (re-exported: the layout was part of this module)
     _CHECKPOINT_FOLDERS, _FOLDERS, _ROOT_FILES, StoreLayout, _entries, _unlink_if_link, _VerifiedMemo,

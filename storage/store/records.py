@@ -24,7 +24,7 @@ from typing import Annotated, TypeVar
 from pydantic import ConfigDict, Field, InstanceOf
 from pydantic.dataclasses import dataclass
 
-from storage.bounded_json import parse_record
+from storage.jsonio.bounded_json import parse_record
 from storage.durable import boot_id, read_json_file
 from storage.errors import StoreError
 from storage.format.status import READY, UPDATING, StoreStatus  # noqa: F401  (the store's statuses)
