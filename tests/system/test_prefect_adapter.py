@@ -21,6 +21,7 @@ import tomllib
 import pytest
 
 from tests.support.lab import ROOT_DIR
+from tests.support.logs import emitted
 from flows import prefect_adapter
 from flows.prefect_adapter import SUPPORTED, UnsupportedPrefect, check_prefect
 from storage.errors import RefitError
@@ -76,17 +77,17 @@ def test_a_refit_on_an_unsupported_prefect_stops_at_start_up_naming_the_version(
     assert not (tmp_path / "cache").exists()
 
 
-def test_a_failed_stage_report_is_logged_at_warning(caplog):
+def test_a_failed_stage_report_is_logged_at_warning():
     class Context:  # a flow run context whose run the report cannot be built for
         flow_run = object()
 
     class Task:
         task_key, version, tags = "k", None, ()
 
-    with caplog.at_level(logging.DEBUG, logger="canonical_refit.prefect"):
+    with emitted("canonical_refit.prefect") as records:
         sent = prefect_adapter.report_task_run(Task(), "fetch index", Context(), None, None, None, interrupted=False)
     assert sent is False
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "fetch index" in warnings[0].getMessage()
 
 

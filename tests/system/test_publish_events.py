@@ -23,6 +23,7 @@ from storage.catalog.records import Catalog
 from storage.objects.store import ObjectStore
 from testbed.prefect_server import published_events
 from testbed.processes import wait_until
+from tests.support.logs import emitted
 
 
 @contextmanager
@@ -64,15 +65,14 @@ def publish(lab, kind: str, **kw):
                        state_dir=str(lab.root / "publisher"), **kw)
 
 
-def test_an_event_the_api_does_not_take_is_reported_and_the_revision_is_still_published(lab, caplog):
-    with api_down() as down, caplog.at_level(logging.WARNING, logger="canonical_refit.publish"):
+def test_an_event_the_api_does_not_take_is_reported_and_the_revision_is_still_published(lab):
+    with api_down() as down, emitted("canonical_refit.publish", logging.WARNING) as records:
         first = publish(lab, "initial", event_delivery_s=1.5)
         pending = publish(lab, "delta", event_delivery_s=1.5, wait=False)  # retried in the background
         second = pending.result()
     for result in (first, second):
         assert result.event_delivered is False and "ConnectionRefusedError" in result.event_error
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
-                and r.name == "canonical_refit.publish"]
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and r.name == "canonical_refit.publish"]
     assert len(warnings) == 2
     for version, line in zip(("r0", "r1"), warnings):
         assert line.startswith(f"published {version} of {lab.model}, but its canonical-refit.revision.published "
