@@ -97,7 +97,6 @@ def _over_cap(count: int, nbytes: int, context: dict) -> CodecError:
 def validate_sparse(encoding: str, frame, nbytes: int, context: dict) -> ValidatedFrame:
     """One streaming pass over the whole record: count, lengths, bounds, order, the unsorted cap."""
     _, header, dtype, width = _width(encoding)
-    strict = encoding == "xor_sparse"
     reader = _Reader(frame, context, alone=True)
     try:
         count = _sparse_header(frame, nbytes, encoding, context, reader)
@@ -105,15 +104,7 @@ def validate_sparse(encoding: str, frame, nbytes: int, context: dict) -> Validat
         while left:
             n = min(left, CHUNK)
             pos = np.frombuffer(reader.read_exact(width * n, f"{encoding} positions"), dtype=dtype)
-            if ordered and not _in_order(pos, previous, strict):
-                if strict:
-                    raise CodecError("xor_sparse positions are not strictly increasing", **context)
-                if count > unsorted_cap(nbytes):
-                    raise _over_cap(count, nbytes, context)
-                ordered = False
-            top = int(pos[-1]) if ordered else int(pos.max())
-            if top >= nbytes:
-                raise _outside(encoding, top, nbytes, context)
+            ordered = _check_positions(pos, ordered, previous, encoding, count, nbytes, context)
             previous, left = int(pos[-1]), left - n
         reader.skip(count)
         if not reader.at_end():
@@ -151,7 +142,7 @@ def check_record(frame, checked: ValidatedFrame, context: dict) -> tuple[Validat
 def _validate_decoded(encoding: str, data: memoryview, checked: ValidatedFrame, context: dict) -> ValidatedFrame:
     """``validate_sparse``'s checks over a record already decoded (``data``: at most one byte past its size)."""
     fmt, header, dtype, width = _width(encoding)
-    nbytes, strict = checked.nbytes, encoding == "xor_sparse"
+    nbytes = checked.nbytes
     if data.nbytes < header:
         raise CodecError(f"{encoding} record header ends after {data.nbytes} decoded bytes", **context)
     count = struct.unpack_from(fmt, data, 0)[0]
@@ -167,15 +158,7 @@ def _validate_decoded(encoding: str, data: memoryview, checked: ValidatedFrame, 
     ordered, previous = True, -1
     for start in range(0, count, CHUNK):  # chunk by chunk: the comparisons' scratch stays bounded
         pos = positions[start: start + CHUNK]
-        if ordered and not _in_order(pos, previous, strict):
-            if strict:
-                raise CodecError("xor_sparse positions are not strictly increasing", **context)
-            if count > unsorted_cap(nbytes):
-                raise _over_cap(count, nbytes, context)
-            ordered = False
-        top = int(pos[-1]) if ordered else int(pos.max())
-        if top >= nbytes:
-            raise _outside(encoding, top, nbytes, context)
+        ordered = _check_positions(pos, ordered, previous, encoding, count, nbytes, context)
         previous = int(pos[-1])
     return ValidatedFrame(encoding, nbytes, checked.frame_size, count, ordered)
 
@@ -307,3 +290,19 @@ class _UnsortedRecord:
 
     def close(self) -> None:
         self._keys, self._values = np.empty(0, dtype=np.uint64), None
+
+
+def _check_positions(pos: np.ndarray, ordered: bool, previous: int, encoding: str, count: int, nbytes: int,
+                     context: dict) -> bool:
+    """One chunk of a record's positions: in order (strictly for ``xor_sparse``) or, for an unsorted record,
+    within the unsorted cap; all inside the tensor. Returns whether the record is still in order."""
+    if ordered and not _in_order(pos, previous, encoding == "xor_sparse"):
+        if encoding == "xor_sparse":
+            raise CodecError("xor_sparse positions are not strictly increasing", **context)
+        if count > unsorted_cap(nbytes):
+            raise _over_cap(count, nbytes, context)
+        ordered = False
+    top = int(pos[-1]) if ordered else int(pos.max())
+    if top >= nbytes:
+        raise _outside(encoding, top, nbytes, context)
+    return ordered
