@@ -294,38 +294,90 @@ def apply_patches(
     """
     if isinstance(source, (list, tuple)):
         source = StaticPlans(source)
-    names = source.names()
-    if not names:
+    if not source.names():
         return {}
     halt = stop.child() if stop is not None else StopToken()  # stopped by the run, or by a failed worker
     maps = Maps(checkpoint.folder)
-    progresses: list[Progress] = []
-    lock = threading.Lock()
-    failures: list[BaseException] = []
-    results: dict[str, str] = {}
+    run = _ApplyRun(maps, source, halt, target_checksum_format, block_size, progress)
+    threads = [threading.Thread(target=run.worker, name=f"apply-{i}") for i in range(max(1, workers))]
+    try:
+        try:
+            for thread in threads:
+                thread.start()
+        finally:
+            _join_all(threads, on_interrupt=run.fail)
+        if run.failures:
+            raise _first_error(run.failures)
+        return run.results  # dirty pages reach the disk later (storage/store/flush.py): not on the critical path
+    except BaseException as exc:
+        error = _mark_mutated(exc)
+        if undo_to is not None:
+            error.undone = undo(maps, [p for p in run.progresses if p.touched], undo_to,
+                                undo_format or target_checksum_format, checkpoint, log)
+        raise error
+    finally:
+        halt.close()
+        maps.close()
+        if stats is not None:
+            progresses = run.progresses
+            stats.update(pages_written=sum(p.pages_written for p in progresses),
+                         blocks=sum(p.blocks for p in progresses),
+                         blocks_unchanged=sum(p.blocks_unchanged for p in progresses))
 
-    def one(state: Progress) -> None:
-        with lock:
-            progresses.append(state)
-        digest = apply_tensor(maps, state, target_checksum_format, progress, halt)
-        with lock:
-            results[state.plan.location.name] = digest
 
-    def tiny(states: list[Progress]) -> None:
-        # a batch of tiny tensors: one hand-over of their records, one progress call, one results update
-        with lock:
-            progresses.extend(states)
-        digests = apply_tiny(maps, states, target_checksum_format, halt,
-                             lambda state: apply_tensor(maps, state, target_checksum_format, None, halt))
-        if progress:
-            progress(sum(s.plan.location.nbytes * len(s.plan.steps) for s in states))
-        with lock:
-            results.update(zip((s.plan.location.name for s in states), digests))
+class _ApplyRun:
+    """What the workers of one ``apply_patches`` pass share, and what each of them does.
 
-    def batch(names: list[str]) -> None:
+    ``worker`` is each thread's body: it takes tensors from the source (tiny
+    ones in batches) and patches them until the source is empty or ``halt``
+    stops; ``fail`` records an error first, then stops the others.
+    ``progresses`` (every tensor started, for the undo and the stats),
+    ``results`` (each patched tensor's final checksum) and ``failures`` are
+    guarded by ``lock``.
+    """
+
+    def __init__(self, maps: Maps, source: PlanSource, halt: StopToken, target_checksum_format: str,
+                 block_size: int | None, progress: Callable[[int], None] | None):
+        self.maps = maps
+        self.source = source
+        self.halt = halt
+        self.target_checksum_format = target_checksum_format
+        self.block_size = block_size
+        self.progress = progress
+        self.progresses: list[Progress] = []
+        self.lock = threading.Lock()
+        self.failures: list[BaseException] = []
+        self.results: dict[str, str] = {}
+        self.take_many = getattr(source, "take_many", None)
+
+    def worker(self) -> None:
+        try:
+            with gc_paused():  # a plan, a Progress and decoded bytes a tensor: no cycles to collect
+                self.work()
+        except BaseException as exc:
+            self.fail(exc)
+
+    def fail(self, exc: BaseException) -> None:
+        with self.lock:  # recorded before the others are told to stop, so it is the first error seen
+            self.failures.append(exc)
+        self.halt.stop(f"tensor failed: {exc}")
+        self.source.cancel()  # workers still waiting for a download give up
+
+    def work(self) -> None:
+        halt, source, take_many = self.halt, self.source, self.take_many
+        if take_many is None:
+            while not halt.stopped and (name := source.take()) is not None:
+                self.batch([name])
+        else:
+            while not halt.stopped and (names := take_many(TINY_BATCH, SMALL)):
+                self.batch(names)
+        halt.check()
+
+    def batch(self, names: list[str]) -> None:
         # folding K deltas keeps K scratch blocks live: the block shrinks so they still fit in cache
         small: list[Progress] = []
-        plan_of = source.plan
+        plan_of = self.source.plan
+        block_size = self.block_size
         for name in names:
             plan = plan_of(name)
             size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
@@ -334,59 +386,29 @@ def apply_patches(
                 small.append(state)
                 continue
             if small:
-                tiny(small)
+                self.tiny(small)
                 small = []
-            one(state)
+            self.one(state)
         if small:
-            tiny(small)
+            self.tiny(small)
 
-    def fail(exc: BaseException) -> None:
-        with lock:  # recorded before the others are told to stop, so it is the first error seen
-            failures.append(exc)
-        halt.stop(f"tensor failed: {exc}")
-        source.cancel()  # workers still waiting for a download give up
+    def one(self, state: Progress) -> None:
+        with self.lock:
+            self.progresses.append(state)
+        digest = apply_tensor(self.maps, state, self.target_checksum_format, self.progress, self.halt)
+        with self.lock:
+            self.results[state.plan.location.name] = digest
 
-    take_many = getattr(source, "take_many", None)
-
-    def worker() -> None:
-        try:
-            with gc_paused():  # a plan, a Progress and decoded bytes a tensor: no cycles to collect
-                work()
-        except BaseException as exc:
-            fail(exc)
-
-    def work() -> None:
-        if take_many is None:
-            while not halt.stopped and (name := source.take()) is not None:
-                batch([name])
-        else:
-            while not halt.stopped and (names := take_many(TINY_BATCH, SMALL)):
-                batch(names)
-        halt.check()
-
-    threads = [threading.Thread(target=worker, name=f"apply-{i}") for i in range(max(1, workers))]
-    try:
-        try:
-            for thread in threads:
-                thread.start()
-        finally:
-            _join_all(threads, on_interrupt=fail)
-        if failures:
-            raise _first_error(failures)
-        return results  # dirty pages reach the disk later (storage/store/flush.py): not on the refit's critical path
-    except BaseException as exc:
-        error = _mark_mutated(exc)
-        if undo_to is not None:
-            error.undone = undo(maps, [p for p in progresses if p.touched], undo_to,
-                                undo_format or target_checksum_format, checkpoint, log)
-        raise error
-    finally:
-        halt.close()
-        maps.close()
-        if stats is not None:
-            stats.update(pages_written=sum(p.pages_written for p in progresses),
-                         blocks=sum(p.blocks for p in progresses),
-                         blocks_unchanged=sum(p.blocks_unchanged for p in progresses))
+    def tiny(self, states: list[Progress]) -> None:
+        # a batch of tiny tensors: one hand-over of their records, one progress call, one results update
+        maps, fmt, halt = self.maps, self.target_checksum_format, self.halt
+        with self.lock:
+            self.progresses.extend(states)
+        digests = apply_tiny(maps, states, fmt, halt, lambda state: apply_tensor(maps, state, fmt, None, halt))
+        if self.progress:
+            self.progress(sum(s.plan.location.nbytes * len(s.plan.steps) for s in states))
+        with self.lock:
+            self.results.update(zip((s.plan.location.name for s in states), digests))
 
 
 def _join_all(threads: list[threading.Thread], *, on_interrupt: Callable[[BaseException], None]) -> None:
