@@ -109,24 +109,13 @@ def materialize(
     takeover = base.path.startswith("materialized/")
     if check_space:  # the disk, before the first in-place change: the copy, the records, the rollback's reserve
         _reserve(store, base, base_path, target, takeover)
-    try:
-        store.begin_update(target.version, target_dir, state.version if state else None)
-    except BaseException:
-        store.release_reserve()  # still READY: no rollback follows
-        raise
+    _begin_update(store, target.version, target_dir, state.version if state else None)
     if on_updating:
         on_updating()
     undone = False
     try:
-        remove_tree(target_dir)
-        placed = lazy = None
-        if takeover:
-            store.release_base(base.version)
-            os.rename(base_path, target_dir)
-            fsync_dir(target_dir.parent)
-        else:
-            placed, lazy = copy_base(store, base, base_index, target_dir, source, stop=stop)
-            source = lazy or source
+        placed, lazy = _place_base(store, base, base_path, base_index, target_dir, takeover, source, stop=stop)
+        source = lazy or source
         killpoint("apply.materialized")
         index = CheckpointIndex(target_dir, base_index.tensors, base_index.headers)
         try:
@@ -156,6 +145,30 @@ def materialize(
         raise
     return Materialized(target.version, target_dir, base, patched, chain, placed.total if placed else 0,
                         sum(base_index.tensors[n].nbytes for n in patched), placed=placed)
+
+
+def _begin_update(store: LocalStore, version: str, target_dir: Path, previous: str | None) -> None:
+    """Mark the store ``UPDATING`` towards ``version``; if that fails, the rollback's reserve is released."""
+    try:
+        store.begin_update(version, target_dir, previous)
+    except BaseException:
+        store.release_reserve()  # still READY: no rollback follows
+        raise
+
+
+def _place_base(store: LocalStore, base: VerifiedCheckpoint, base_path: Path, base_index: CheckpointIndex,
+                target_dir: Path, takeover: bool, source: PlanSource, *,
+                stop: StopToken | None) -> tuple[CopyReport | None, CopyAsPatched | None]:
+    """Put the base at ``target_dir`` (inside ``UPDATING``), replacing whatever lies there: a materialized base
+    is taken over by rename (``(None, None)``), a full one copied (``copy_base``: its report, and the
+    ``CopyAsPatched`` that copies as tensors are taken, if the copy is not complete yet)."""
+    remove_tree(target_dir)
+    if not takeover:
+        return copy_base(store, base, base_index, target_dir, source, stop=stop)
+    store.release_base(base.version)
+    os.rename(base_path, target_dir)
+    fsync_dir(target_dir.parent)
+    return None, None
 
 
 def _reserve(store: LocalStore, base: VerifiedCheckpoint, base_path: Path, target: Revision, takeover: bool) -> None:
