@@ -86,25 +86,7 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision, *,
     (reflink, else ``copy_file_range``). Every file is fsynced either way.
     ``report`` tallies which was used.
     """
-    seed = rx.params.seed_checkpoint
-    if not seed:
-        raise StoreError(
-            f"the store has no checkpoint to start from; pass --seed-checkpoint with the launch snapshot "
-            f"of {initial.version}",
-            revision=initial.version,
-        )
-    seed_path = launch_files.snapshot_folder(seed, revision=initial.version)  # only regular files, no loops
-    if not seed_path.is_dir():
-        raise StoreError(f"--seed-checkpoint {seed_path} is not a folder; pass the launch snapshot of "
-                         f"{initial.version} (a folder of *.safetensors files)", revision=initial.version,
-                         local_file=str(seed_path))
-    source = CheckpointIndex.open(seed_path, revision=initial.version)
-    if source.format_digest() != initial.format_digest:
-        raise CheckpointMismatch(
-            f"launch snapshot has format digest {source.format_digest()}, revision {initial.version} says "
-            f"{initial.format_digest}: it is not this model's launch snapshot",
-            revision=initial.version, file=str(seed_path),
-        )
+    seed_path = _launch_snapshot_folder(rx, initial)
     folder = rx.store.full_dir(initial.version)
     size = copied_size(seed_path)  # what the copy writes: link targets (a hub snapshot's blobs), not links
     ensure_capacity(rx.store, size, {rx.store.tmp_dir}, what=f"seeding {initial.version}")
@@ -158,6 +140,31 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision, *,
     rx.store.commit_ready(record, Chain(initial.version, initial.version, ()))
     rx.ledger.note(f"seeded {initial.version} from {seed_path}: {report.summary()}; digest verified")
     return record, copied
+
+
+def _launch_snapshot_folder(rx: Receiver, initial: Revision) -> Path:
+    """The configured launch snapshot's folder, checked before the store changes: given, a folder, and this
+    model's (its format digest is ``initial``'s); otherwise raises a typed error naming the revision."""
+    seed = rx.params.seed_checkpoint
+    if not seed:
+        raise StoreError(
+            f"the store has no checkpoint to start from; pass --seed-checkpoint with the launch snapshot "
+            f"of {initial.version}",
+            revision=initial.version,
+        )
+    seed_path = launch_files.snapshot_folder(seed, revision=initial.version)  # only regular files, no loops
+    if not seed_path.is_dir():
+        raise StoreError(f"--seed-checkpoint {seed_path} is not a folder; pass the launch snapshot of "
+                         f"{initial.version} (a folder of *.safetensors files)", revision=initial.version,
+                         local_file=str(seed_path))
+    source = CheckpointIndex.open(seed_path, revision=initial.version)
+    if source.format_digest() != initial.format_digest:
+        raise CheckpointMismatch(
+            f"launch snapshot has format digest {source.format_digest()}, revision {initial.version} says "
+            f"{initial.format_digest}: it is not this model's launch snapshot",
+            revision=initial.version, file=str(seed_path),
+        )
+    return seed_path
 
 
 def keep_launch_files(rx: Receiver, root: Revision) -> None:
