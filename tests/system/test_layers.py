@@ -178,3 +178,21 @@ def test_tests_live_in_rooms_and_never_edit_the_import_path():
     missing = [str(d.relative_to(ROOT)) for d in [tests, *tests.rglob("*")] if d.is_dir()
                and d.name != "__pycache__" and not (d / "__init__.py").exists()]
     assert missing == []
+
+
+def test_no_product_module_over_450_lines_and_no_function_over_80():
+    """Rooms stay readable: a product module (storage, tasks, flows, deployments) holds at most 450 lines and a
+    function (or method) at most 80, counted from its ``def`` to its last line."""
+    long_modules, long_functions = [], []
+    for name, path in _modules().items():
+        if name.split(".")[0] not in PRODUCT:
+            continue
+        source = path.read_text()
+        if source.count("\n") > 450:
+            long_modules.append(f"{name}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80:
+                long_functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert long_modules == [] and long_functions == []
+    storage_top = sorted(p.stem for p in (ROOT / "storage").glob("*.py") if p.stem != "__init__")
+    assert len(storage_top) <= 6, storage_top
