@@ -168,25 +168,6 @@ def test_tensors_are_applied_as_their_buckets_arrive(lab, tmp_path):
     assert chain.bytes_of(work) == chain.expected(1)
 
 
-def test_a_download_that_fails_after_patching_began_is_undone(lab, tmp_path):
-    chain = Chain(lab, tmp_path, 1, bucket_bytes=30_000)
-    manifest = chain.manifests[0]
-    arrivals = Arrivals()
-    source = ArrivingPlans(chain.manifests, chain.folders, chain.index.tensors, arrivals)
-    work = chain.work()
-    arrivals.admit()
-    for name in manifest.files[:-1]:
-        arrivals.arrived("r1", name)
-    missing = ObjectNotFound("object not found", file=manifest.files[-1], revision="r1")
-    arrivals.failed("r1", manifest.files[-1], missing)
-    arrivals.close()
-    with pytest.raises(ObjectNotFound) as info:
-        apply_patches(work, source, target_checksum_format="adler32", workers=2,
-                      undo_to=checksums_of(chain.index), undo_format="adler32")
-    assert info.value.undone is True
-    assert chain.bytes_of(work) == chain.expected(0)
-
-
 def test_waiting_for_admission_raises_why_fetching_stopped():
     arrivals = Arrivals()
     arrivals.abort(ObjectNotFound("gone", file="x"))
