@@ -92,8 +92,11 @@ def test_every_link_points_inside_the_repository(doc):
     text = doc.read_text()
     for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         assert "://" not in target, f"{doc.name} links outside the repository: {target}"
-        assert (doc.parent / target).exists(), f"{doc.name} links to a missing file: {target}"
-    assert "SPEC" not in text and "../shared" not in text
+        path = (doc.parent / target).resolve()
+        assert path.is_relative_to(ROOT_DIR) and path.exists(), f"{doc.name} links to a file not in the repository: {target}"
+    for named in set(re.findall(r"[\w./-]*\w\.md\b", text)):  # every document it names is the repository's own
+        assert any((base / named).resolve().is_relative_to(ROOT_DIR) and (base / named).exists()
+                   for base in (doc.parent, ROOT_DIR, ROOT_DIR / "docs")), f"{doc.name} names {named}, not in the repository"
     assert not re.search(r"\bissue \d+\b", text), f"{doc.name} speaks of issue numbers"
 
 

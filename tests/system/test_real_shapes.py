@@ -180,8 +180,9 @@ def test_no_collection_runs_while_a_refit_holds_the_store_and_a_verified_record_
         gc.collect()
     finally:
         gc.callbacks.remove(collected)
-    assert True not in collections, collections
-    assert False in collections  # the collector runs outside
+    inside = [c for c in collections if c]  # collections that started while the refit held the store lock
+    assert inside == [], f"{len(inside)} of {len(collections)} collections ran while the store lock was held"
+    assert len(collections) > len(inside)  # the collector runs outside (the explicit gc.collect() above at least)
 
     parsed: list[str] = []
     memo_module = sys.modules[local_store._VerifiedMemo.__module__]  # where the store's record reads happen
