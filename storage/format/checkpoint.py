@@ -15,7 +15,7 @@ from storage.jsonio.bounded_json import INDEX, load_json, read_bounded
 from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
 from storage.errors import CheckpointMismatch, ManifestError, SafetensorsError
 from storage.format.mapped import MappedFiles
-from storage.runtime.gc_pause import gc_paused, gc_paused_call
+from storage.runtime.gc_pause import gc_paused_call
 from storage.format.safetensors import SafetensorsHeader, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -84,6 +84,7 @@ class CheckpointIndex(TensorTable):
         self.headers = dict(headers)
 
     @classmethod
+    @gc_paused_call  # a location a tensor, no cycles
     def open(cls, folder: Path, *, revision: str | None = None) -> "CheckpointIndex":
         """Parse and check the folder's index and every shard's header.
 
@@ -94,11 +95,6 @@ class CheckpointIndex(TensorTable):
         them — O(shards), not O(tensors) of JSON. Only successes are kept, keyed
         by the bytes themselves, so a file that changed is parsed again.
         """
-        with gc_paused():  # a location a tensor, no cycles
-            return cls._open(Path(folder), revision)
-
-    @classmethod
-    def _open(cls, folder: Path, revision: str | None) -> "CheckpointIndex":
         folder = Path(folder)
         if not folder.is_dir():
             raise SafetensorsError("checkpoint folder does not exist", file=str(folder), revision=revision)

@@ -20,7 +20,7 @@ from typing import BinaryIO, Iterable, Mapping
 
 from storage.jsonio.bounded_json import HEADER, load_json
 from storage.errors import SafetensorsError
-from storage.runtime.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused_call
 
 DTYPE_SIZES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
@@ -82,17 +82,11 @@ def header_length(first8: bytes, file_size: int, *, file: str, revision: str | N
     return n
 
 
+@gc_paused_call  # objects a tensor, none in a cycle: the collector has nothing to find here
 def parse_header(
     header_bytes: bytes, header_len: int, file_size: int, *, file: str, revision: str | None = None
 ) -> SafetensorsHeader:
     """Parse and validate the JSON header (the ``header_len`` bytes after the prefix)."""
-    with gc_paused():  # objects a tensor, none in a cycle: the collector has nothing to find here
-        return _parse_header(header_bytes, header_len, file_size, file=file, revision=revision)
-
-
-def _parse_header(
-    header_bytes: bytes, header_len: int, file_size: int, *, file: str, revision: str | None
-) -> SafetensorsHeader:
 
     def fail(message: str, tensor: str | None = None) -> SafetensorsError:
         return SafetensorsError(message, file=file, revision=revision, tensor=tensor)

@@ -32,7 +32,7 @@ from storage.errors import Cancelled, CodecError, ManifestError, RefitError
 from storage.catalog.manifests import Manifest
 from storage.format.mapped import MappedFiles
 from storage.format.safetensors import read_header
-from storage.runtime.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused, gc_paused_call
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
@@ -161,18 +161,13 @@ def plan_patches(
     return plans
 
 
+@gc_paused_call  # a step per tensor (the collector would walk the whole index again and again)
 def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                  checkpoint: Mapping[str, TensorLocation], *, workers: int = 1) -> dict[str, PatchStep]:
     """Check one downloaded bucket and return its frame for each tensor: header, metadata, target checksums,
     and each frame's structure and declared size (``check_frame``: no decompression; the records are validated
     as they are decoded to be applied). ``workers`` threads check the frames (the first bad one in name order is
     the error raised)."""
-    with gc_paused():  # a step per tensor (the collector would walk the whole index again and again)
-        return _bucket_steps(manifest, bucket, path, checkpoint, workers=workers)
-
-
-def _bucket_steps(manifest: Manifest, bucket: str, path: Path,
-                  checkpoint: Mapping[str, TensorLocation], *, workers: int) -> dict[str, PatchStep]:
     uri = manifest.file_url(bucket)
     version = manifest.version
     header = read_header(path, revision=version, file=uri)

@@ -19,7 +19,7 @@ from storage.runtime.cancel import StopToken
 from storage.format.checkpoint import TensorLocation
 from storage.errors import Cancelled, RefitError, StoreError
 from storage.catalog.manifests import Manifest
-from storage.runtime.gc_pause import gc_paused
+from storage.runtime.gc_pause import gc_paused_call
 from storage.patch.patcher import PatchStep, TensorPlan, bucket_steps, tensor_plan
 
 
@@ -168,12 +168,9 @@ class ArrivingPlans:
     so appliers never wait behind a large download while smaller ones are ready.
     """
 
+    @gc_paused_call  # a few objects a tensor, no cycles
     def __init__(self, deltas: Sequence[Manifest], folders: Mapping[str, Path],
                  checkpoint: Mapping[str, TensorLocation], arrivals: Arrivals, *, workers: int = 1):
-        with gc_paused():  # a few objects a tensor, no cycles
-            self._setup(deltas, folders, checkpoint, arrivals, workers)
-
-    def _setup(self, deltas, folders, checkpoint, arrivals, workers) -> None:
         self._deltas, self._folders, self._checkpoint = list(deltas), folders, checkpoint
         self._workers = workers  # threads checking a bucket's frames
         self._arrivals = arrivals
