@@ -20,6 +20,8 @@ import logging
 import time
 from uuid import UUID
 
+from flows.run_labels import node_tag
+
 log = logging.getLogger("canonical_refit.agent")
 HEAD_POLL_CAP_S = 60.0  # the longest interval between head checks, backing off or not (serve: --head-poll-seconds <= 60)
 
@@ -35,7 +37,7 @@ class HeadCheck:
         self.stats.api_requests += 1
         run = client.create_flow_run_from_deployment(
             self._latest_id, name=name or self._run_name("-> latest"),
-            tags=[f"node:{self.node}"] if self.node else None)
+            tags=[node_tag(self.node)] if self.node else None)
         log.info("created flow run %s (%s): %s", run.name, run.id, why)
         return run
 

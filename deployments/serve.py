@@ -179,6 +179,7 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
     """The runner deployments: refit-latest, refit-on-publish, and publish with ``--serve-publish``."""
     from flows.publish import publish
     from flows.refit import refit
+    from flows.run_labels import node_tag
 
     suffix = settings.suffix_for(params.node)
     latest = refit.to_deployment(
@@ -186,14 +187,14 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
         interval=timedelta(seconds=settings.interval_s),
         parameters=refit_parameters(params, target="latest", only_if_newer=True),
         description=f"Refit {params.model} to the latest revision of {params.catalog} when it is newer.",
-        tags=[*TAGS, f"node:{params.node}"],
+        tags=[*TAGS, node_tag(params.node)],
     )
     on_publish = refit.to_deployment(
         f"refit-on-publish{suffix}",
         triggers=[on_publish_trigger(params, suffix)] if settings.fan_out == "automation" else [],
         parameters=refit_parameters(params, target="latest", only_if_newer=True),
         description=f"Refit {params.model} to each version announced by {EVENT}; older versions are skipped.",
-        tags=[*TAGS, f"node:{params.node}"],
+        tags=[*TAGS, node_tag(params.node)],
     )
     if not settings.publish:
         return [latest, on_publish]
