@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
 from storage.errors import RefitError
-from tasks.stage import reporting_stages
+from tasks.stage import reporting_stages, stage_status
 
 log = logging.getLogger("canonical_refit.prefect")
 R = TypeVar("R")
@@ -269,15 +269,15 @@ def report_task_run(prefect_task, name: str, context, started, ended, error: Bas
 
 
 def _final_state(details, error: BaseException | None, interrupted: bool):
+    """The Prefect state of a stage that ended with ``error``, as the stage table tells it (``stage_status``)."""
     from prefect.states import Cancelled, Completed, Failed
-
-    from storage.errors import Cancelled as StageCancelled, Interrupted
 
     if error is None:
         return Completed(state_details=details)
-    if interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
+    status = stage_status(error, interrupted)
+    if status == "interrupted":
         return Cancelled(name="Interrupted", message=str(error), state_details=details)
-    if isinstance(error, StageCancelled):
+    if status == "cancelled":
         return Cancelled(message=str(error), state_details=details)
     return Failed(message=str(error) or type(error).__name__, state_details=details)
 
