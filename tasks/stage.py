@@ -195,9 +195,7 @@ class Stage(Generic[R]):
     def start(self, run, *args, **kwargs) -> Running[R]:
         """Run the stage beside the caller, in a thread that sees this context (its stage reporter included)."""
         context = contextvars.copy_context()
-        reporter = stage_reporter()
-        return self._in_thread(run, lambda: context.run(
-            reporter.run, self, run, lambda: self._measured(run, *args, **kwargs)))
+        return self._in_thread(run, lambda: context.run(self, run, *args, **kwargs))
 
     def _in_thread(self, run, call: Callable[[], R]) -> Running[R]:
         outcome: dict[str, Any] = {}
