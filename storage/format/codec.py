@@ -162,7 +162,9 @@ def make_decoder(encoding: str, frame, nbytes: int, *, block_size: int,
     """Return the decoder of ``frame`` for a tensor of ``nbytes``, validating the frame first.
 
     ``validated`` is what ``validate_frame`` returned for this same frame: the
-    validation pass is then skipped. Decoding still re-checks bounds, order,
+    validation pass is then skipped; given what ``check_frame`` returned
+    (``complete`` False), a sparse decoder validates its record as it is made,
+    decoding it once. Decoding still re-checks bounds, order,
     counts and lengths as it streams, so a wrong summary gives a ``CodecError``
     while applying, never a write outside the block.
     """

@@ -91,8 +91,9 @@ def materialize(
 
     A sequential delta takes the base's materialized folder over by rename; the
     first delta after a full checkpoint copies it once (``copy_base``). ``source`` hands out
-    tensor plans (default: every bucket validated up front, before the store
-    goes ``UPDATING``; ``ArrivingPlans`` validates buckets as they arrive).
+    tensor plans (default: every bucket checked up front, before the store
+    goes ``UPDATING``; ``ArrivingPlans`` checks buckets as they arrive); each
+    record's content is validated as it is applied (``apply_patches``).
     If anything fails once the store is ``UPDATING``, the error carries
     ``mutation_started`` and a ``rollback`` (``Rollback``) that ``roll_back``
     uses — after the caller has stopped everything else — to put the base
