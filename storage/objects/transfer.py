@@ -37,7 +37,6 @@ from typing import Callable
 
 from storage.errors import Cancelled, PermanentStorageError, TransientStorageError
 from storage.objects.budget import ConnectionBudget, Requester, Stopped
-from storage.objects.classify import local_call
 from storage.objects.localcopy import copy_object
 from storage.objects.partial import CHECKPOINT_INTERVAL_S, PartialFile, partial_paths
 from storage.objects.sources import (
@@ -51,8 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("canonical_refit.transfer")
-_Stopped = Stopped  # the name multipart imported before the budget had a module of its own
-_local = local_call  # likewise
 RANGE_ALIGN = 2**18  # range sizes are multiples of this
 MIN_PLANNED_RANGE = 8 * 2**20  # ranges are not split below this for the sake of whole waves
 SPLIT_MIN = 2 * 2**20  # a range still going is split for an idle connection only if both halves get this much
