@@ -84,8 +84,7 @@ class CopyAsPatched:
                 merged.append([file, start, end])
         for file, start, end in merged:
             self._copied[file].append((start, end))
-            for off in range(start, end, COPY_CHUNK):
-                self._copy_fds(file, off, min(COPY_CHUNK, end - off))
+            self._copy_span(file, start, end)
 
     def finish(self, workers: int) -> None:
         """Copy every byte of every shard that no taken tensor (nor a header) covered; then close."""
@@ -168,16 +167,19 @@ class CopyAsPatched:
             for file, start, end in ranges:
                 self._copied[file].append((start, end))
         for file, start, end in ranges:
-            for off in range(start, end, COPY_CHUNK):
-                self._copy_fds(file, off, min(COPY_CHUNK, end - off))
+            self._copy_span(file, start, end)
 
     def finish_now(self) -> None:
         """Copy every byte not copied yet (before anything else is patched)."""
         for name, start, end in self._claim_gaps():
-            for off in range(start, end, COPY_CHUNK):
-                self._copy_fds(name, off, min(COPY_CHUNK, end - off))
+            self._copy_span(name, start, end)
 
     # -- copying a byte range ------------------------------------------------------------------------------
+
+    def _copy_span(self, name: str, start: int, end: int) -> None:
+        """Copy bytes ``[start, end)`` of shard ``name`` in ``COPY_CHUNK`` pieces (a stop is seen between them)."""
+        for off in range(start, end, COPY_CHUNK):
+            self._copy_fds(name, off, min(COPY_CHUNK, end - off))
 
     def _copy_fds(self, name: str, offset: int, length: int) -> None:
         if self.stop is not None:
