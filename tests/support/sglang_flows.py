@@ -39,6 +39,11 @@ def sglang(*engines, kind: str = "sglang", **kw) -> InstallerSettings:
     return InstallerSettings(kind=kind, engine_urls=urls, **kw)
 
 
+def disk(*engines) -> InstallerSettings:
+    """The ``sglang-disk`` installer for ``engines``."""
+    return sglang(*engines, kind="sglang-disk")
+
+
 def assert_engine_holds(engine: MockSGLang, lab: Lab, version: str) -> None:
     want = lab.expected(version)
     for rank in range(engine.tp_size):

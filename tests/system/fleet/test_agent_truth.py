@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -34,31 +33,16 @@ import pytest
 
 from tests.support.fleet_support import fleet_server  # noqa: F401  (a fixture)
 from flows import node_report
-from flows.fleet import main as fleet_main
+from tests.support.fleet_cli import fleet, record_of
 from tests.support.s3_support import s3  # noqa: F401  (a fixture)
-from tests.support.sglang_flows import engine_lab, holds_exactly, http_json, published, sglang  # noqa: F401  (fixtures)
+from tests.support.sglang_flows import disk, engine_lab, holds_exactly, http_json, published, sglang  # noqa: F401  (fixtures)
 from tests.support.sglang_mock import MockSGLang
 from tests.support.sglang_support import fake_sglang  # noqa: F401  (fixture)
-from storage.catalog.nodes import nodes_url, write_node_record, scan_node_records
+from storage.catalog.nodes import write_node_record, scan_node_records
 from storage.objects.store import ObjectStore
 from tasks.installers import make_installer
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def disk(*engines):
-    return sglang(*engines, kind="sglang-disk")
-
-
-def record_of(lab, node: str) -> dict:
-    folder = nodes_url(lab.catalog, lab.model).removeprefix("file://")
-    return json.loads(Path(folder, f"{node}.json").read_text())
-
-
-def fleet(capsys, lab, *args: str) -> tuple[int, dict]:
-    capsys.readouterr()
-    code = fleet_main([args[0], "--catalog", lab.catalog, "--model", lab.model, *args[1:], "--json"])
-    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 # -- a busy agent is not blind ---------------------------------------------------------------------------------

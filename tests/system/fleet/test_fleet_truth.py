@@ -8,35 +8,17 @@ wrote. ``test_fleet.py`` runs the same against agents on a Prefect server.
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 
 from flows import node_report
 from flows.fleet import main as fleet_main
-from tests.support.sglang_flows import engine_lab, holds_exactly, http_json, published, sglang  # noqa: F401  (fixtures)
+from tests.support.fleet_cli import fleet, record_of
+from tests.support.sglang_flows import disk, engine_lab, holds_exactly, http_json, published, sglang  # noqa: F401  (fixtures)
 from tests.support.sglang_mock import MockSGLang
 from tests.support.sglang_support import fake_sglang  # noqa: F401  (fixture)
-from storage.catalog.nodes import nodes_url
 from tasks.installers import make_installer
-
-
-def disk(*engines):
-    return sglang(*engines, kind="sglang-disk")
-
-
-def record_of(lab, node: str) -> dict:
-    folder = nodes_url(lab.catalog, lab.model).removeprefix("file://")
-    return json.loads(Path(folder, f"{node}.json").read_text())
-
-
-def fleet(capsys, lab, *args: str) -> tuple[int, dict]:
-    """``python -m flows.fleet ARGS --json`` as a trainer runs it: its exit code and its JSON."""
-    capsys.readouterr()
-    code = fleet_main([args[0], "--catalog", lab.catalog, "--model", lab.model, *args[1:], "--json"])
-    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def two_nodes(lab, a_target: str = "r1", b_target: str = "r1"):

@@ -17,7 +17,6 @@ head check's cap of 60 s.
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 from uuid import uuid4
 
@@ -27,6 +26,7 @@ from deployments.agent import NodeAgent
 from deployments.agent_head import HEAD_POLL_CAP_S
 from flows import api, node_report
 from flows.fleet import main as fleet_main
+from tests.support.fleet_cli import fleet
 from tests.support.fleet_support import fleet_server  # noqa: F401  (a fixture)
 from tests.support.s3_support import s3, s3_lab  # noqa: F401  (s3 is a fixture)
 from storage.catalog.nodes import failure_kind
@@ -35,13 +35,6 @@ from storage.errors import (
     TransientStorageError,
 )
 from testbed.s3proxy import Faults
-
-
-def fleet(capsys, lab, *args: str) -> tuple[int, dict]:
-    """``python -m flows.fleet ARGS --json`` as a trainer runs it: its exit code and its JSON."""
-    capsys.readouterr()
-    code = fleet_main([args[0], "--catalog", lab.catalog, "--model", lab.model, *args[1:], "--json"])
-    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 def record(capsys, lab, node: str) -> dict:
