@@ -2,7 +2,7 @@
 
 A field's flag is defined once, on the field: its name is ``--field-name``
 unless the field says otherwise (``json_schema_extra={"flag": "--lock-timeout"}``,
-see ``flag``); a nested model's fields get flags only where the field that
+see ``flag_of``); a nested model's fields get flags only where the field that
 holds it names them (``json_schema_extra={"flags": {"concurrency": "--fetch-workers"}}``:
 the same setting may be spelled differently by the receiver and the publisher).
 The flag's type, choices, default and help all come from the pydantic field
@@ -28,17 +28,6 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 from pydantic import BaseModel
-
-
-def flag(name: str) -> dict:
-    """A field's flag when it is not ``--field-name``: ``Field(..., json_schema_extra=flag("--lock-timeout"))``."""
-    return {"flag": name}
-
-
-def nested_flags(**names: str) -> dict:
-    """The flags of a nested model's fields, on the field that holds it:
-    ``Field(default_factory=ObjectStoreSettings, json_schema_extra=nested_flags(concurrency="--fetch-workers"))``."""
-    return {"flags": dict(names)}
 
 
 @dataclass(frozen=True)
@@ -97,7 +86,8 @@ def flags(model: type[BaseModel], *paths: str, exclude: Iterable[str] = ()) -> l
             elif not _is_model(info.annotation):
                 found.append(name)
         paths = tuple(found)
-    return [flag_of(model, path) for path in paths if path not in set(exclude)]
+    excluded = set(exclude)
+    return [flag_of(model, path) for path in paths if path not in excluded]
 
 
 def _is_model(annotation) -> bool:
