@@ -39,7 +39,6 @@ import errno
 import json
 import logging
 import signal
-import struct
 import sys
 import threading
 import time
@@ -271,26 +270,18 @@ def _bind(address: tuple[str, int], handler, wait_s: float = 10.0) -> ThreadingH
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why ``folder`` is not a loadable safetensors checkpoint (None: it is): each file's header parses and
-    every tensor's bytes lie inside the file."""
+    every tensor's bytes lie inside the file (``storage.format.safetensors.read_header``)."""
+    from storage.errors import SafetensorsError
+    from storage.format.safetensors import read_header
+
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return f"no *.safetensors files in {folder}"
     for file in files:
         try:
-            with open(file, "rb") as fh:
-                (length,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(length)) if length <= 100 * 2**20 else None
-            if not isinstance(header, dict):
-                return f"{file}: malformed header"
-            room = file.stat().st_size - 8 - length
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
-                start, end = entry["data_offsets"]
-                if not 0 <= start <= end <= room:
-                    return f"{file}: tensor {name} lies outside the file"
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            return f"{file}: {exc}"
+            read_header(file)
+        except (OSError, SafetensorsError) as exc:
+            return str(exc)  # names the file (and the tensor at fault)
     return None
 
 
