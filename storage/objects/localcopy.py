@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from storage.durable import copy_bytes, fsync_dir, temp_name
+from storage.durable import copy_bytes, fsync_dir, fsync_files, temp_name
 from storage.errors import PermanentStorageError, TransientStorageError
 from storage.objects.budget import Requester
 from storage.objects.classify import local_call, local_error
@@ -47,7 +47,7 @@ def copy_object(store: Requester, source: LocalSource, url: str, dest: Path, *, 
 
     try:
         size = store.call("download", url, fetch, check=check)
-        local_call("syncing the download", tmp, url, fsync_file, tmp)
+        local_call("syncing the download", tmp, url, fsync_files, tmp.parent, [tmp.name])
         local_call("moving the download into place", dest, url, os.replace, tmp, dest)
         local_call("syncing the download's folder", dest.parent, url, fsync_dir, dest.parent)
     finally:
@@ -86,9 +86,3 @@ def _copy_regular(path: str, tmp: Path, url: str, expected_size: int | None, max
     finally:
         os.close(fd)
     return size
-
-
-def fsync_file(path: Path) -> None:
-    """fsync the file at ``path``."""
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
