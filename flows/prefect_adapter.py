@@ -47,6 +47,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
 
 from storage.errors import RefitError
+from storage.format.status import CANCELLED, INTERRUPTED
 from tasks.stage import reporting_stages, stage_status
 
 log = logging.getLogger("canonical_refit.prefect")
@@ -275,9 +276,9 @@ def _final_state(details, error: BaseException | None, interrupted: bool):
     if error is None:
         return Completed(state_details=details)
     status = stage_status(error, interrupted)
-    if status == "interrupted":
+    if status == INTERRUPTED:
         return Cancelled(name="Interrupted", message=str(error), state_details=details)
-    if status == "cancelled":
+    if status == CANCELLED:
         return Cancelled(message=str(error), state_details=details)
     return Failed(message=str(error) or type(error).__name__, state_details=details)
 

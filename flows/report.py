@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from storage.errors import RefitError, StoreError
 from storage.format.status import (  # noqa: F401  (the statuses, as this module always offered them)
-    FAILED, INTERRUPTED, POISONED, READY, SKIPPED, SUCCEEDED, Status,
+    FAILED, INTERRUPTED, POISONED, READY, SKIPPED, STAGE_ENDED_BADLY, SUCCEEDED, Status, stage_status_of,
 )
 
 if TYPE_CHECKING:  # annotations only: a command that runs no flow (status, --help) never loads the stages
@@ -176,13 +176,20 @@ def result_of(state, watch: OutcomeWatch | None = None) -> RefitResult:
                        exception=value if isinstance(value, BaseException) else None)
 
 
-def print_result(result: RefitResult) -> None:
-    """Human-readable stage table, outcome and what to do next."""
+def failed_stage(result: RefitResult) -> str | None:
+    """The stage a run that did not end well failed (or was interrupted) in; None if none did. Reads the
+    lowercase statuses of earlier releases too (``stage_status_of``)."""
+    return next((s["name"] for s in result.stages if stage_status_of(s.get("status")) in STAGE_ENDED_BADLY), None)
+
+
+def print_result(result: RefitResult, flags: list | None = None) -> None:
+    """Human-readable stage table, outcome and what to do next. ``flags``: the command's own (``flows.options``);
+    the error's fields are then named as those flags (``cache_max_gb=`` as ``--cache-max-gb``)."""
     if result.stages:
-        print(f"{'stage':<16}{'status':<8}{'seconds':>9}{'bytes':>15}{'MB/s':>9}{'retries':>8}")
+        print(f"{'stage':<16}{'status':<12}{'seconds':>9}{'bytes':>15}{'MB/s':>9}{'retries':>8}")
     for s in result.stages:
         rate = s["bytes"] / s["seconds"] / 1e6 if s["seconds"] else 0.0
-        print(f"{s['name']:<16}{s['status']:<8}{s['seconds']:>9.3f}{s['bytes']:>15,}{rate:>9.1f}{s['retries']:>8}")
+        print(f"{s['name']:<16}{s['status']:<12}{s['seconds']:>9.3f}{s['bytes']:>15,}{rate:>9.1f}{s['retries']:>8}")
     print(f"status: {result.status}")
     if result.status in SUCCEEDED:
         label = "prepared (not yet active)" if result.status == READY and not result.activated else "version"
@@ -198,9 +205,19 @@ def print_result(result: RefitResult) -> None:
     if result.status == SKIPPED and result.notes:
         print(f"skipped: {result.notes[-1]}")
     if result.error:
-        print(f"error: {result.error}")
+        print(f"error: {error_for_command(result, flags) if flags else result.error}")
     if result.next_step:
         print(f"next: {result.next_step}")
+
+
+def error_for_command(result: RefitResult, flags: list) -> str:
+    """The run's error as a command's user reads it: the fields it names rendered as the command's flags
+    (the API and ``--json`` keep the field names)."""
+    from flows.options import as_flags, error_as_flags
+
+    if isinstance(result.exception, RefitError) and str(result.exception) == result.error:
+        return error_as_flags(result.exception, flags)
+    return as_flags(result.error or "", flags)
 
 
 def _readable(read):
@@ -225,9 +242,8 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
         lines += [f"- installed: `{active.version}` `{active.digest}` via `{active.installer}`"]
     if result.error_detail:
         d = result.error_detail
-        failed_stage = next((s["name"] for s in result.stages if s["status"] in ("failed", "interrupted")), "?")
         lines += ["", "## Failure", "",
-                  f"- stage: **{failed_stage}**", f"- error: `{d.get('type')}`: {d.get('message')}",
+                  f"- stage: **{failed_stage(result) or '?'}**", f"- error: `{d.get('type')}`: {d.get('message')}",
                   f"- revision: `{d.get('revision')}`", f"- file: `{d.get('file')}`",
                   f"- tensor: `{d.get('tensor')}`"] + ([f"- field: `{d['field']}`"] if d.get("field") else [])
         if result.status == POISONED:
@@ -242,12 +258,12 @@ def summary_markdown(rx: Receiver, result: RefitResult) -> str:
         lines += [f"| {a['attempt']} | {a['status']} | {a['seconds']} | {a['error'] or ''} |" for a in result.attempts]
     if result.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in result.notes]
-    lines += ["", "## Stages", "", "| stage | status | seconds | bytes | MB/s | attempts | retries | backoff s |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "## Stages", "", "| stage | status | seconds | bytes | MB/s | retries | backoff s |",
+              "|---|---|---|---|---|---|---|"]
     for record in rx.ledger.stages.values():
         r = record.row()
         lines.append(f"| {r['stage']} | {r['status']} | {r['seconds']} | {r['bytes']:,} | {r['MB/s']} | "
-                     f"{r['attempts']} | {r['retries']} | {r['backoff_s']} |")
+                     f"{r['retries']} | {r['backoff_s']} |")
     return "\n".join(lines) + "\n"
 
 

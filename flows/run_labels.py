@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 
-from flows.report import FAILED, INTERRUPTED, POISONED, RefitResult
+from flows.report import FAILED, INTERRUPTED, POISONED, RefitResult, failed_stage
 
 log = logging.getLogger("canonical_refit.refit")
 
@@ -81,7 +81,7 @@ def log_outcome(node: str, model: str, target: str, result: RefitResult) -> None
     error, which names the revision, file and tensor at fault), WARNING for Interrupted."""
     if result.status not in (FAILED, POISONED, INTERRUPTED):
         return
-    stage = next((s["name"] for s in result.stages if s.get("status") in ("failed", "interrupted")), None)
+    stage = failed_stage(result)
     where = f" in {stage}" if stage else ""
     (log.warning if result.status == INTERRUPTED else log.error)(
         "refit of node %s (%s) to %s ended %s%s: %s%s", node, model, target, result.status, where,

@@ -23,4 +23,4 @@ def activate(rx: Receiver, receipt: InstallReceipt) -> ActiveIdentity:
 
 
 # once the engine runs the new weights, recording it must not be skipped by an interrupt
-ACTIVATE = Stage("activate", activate, retried=False, interruptible=False)
+ACTIVATE = Stage("activate", activate, interruptible=False)

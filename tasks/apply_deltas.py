@@ -86,4 +86,4 @@ def _reference_layout(rx: Receiver):
     return None
 
 
-APPLY_DELTAS = Stage("apply deltas", apply_deltas, retried=False)
+APPLY_DELTAS = Stage("apply deltas", apply_deltas)

@@ -28,4 +28,4 @@ def encode_payload(pub: Publisher, plan: Publication, staging: Path) -> tuple[Pa
     return stage_full(snap, staging), snap
 
 
-ENCODE_PAYLOAD = Stage("encode payload", encode_payload, retried=False)
+ENCODE_PAYLOAD = Stage("encode payload", encode_payload)

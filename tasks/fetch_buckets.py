@@ -296,4 +296,4 @@ def _working_set(rx: Receiver, baseline: Baseline, folders: dict[str, Path]) -> 
 
 
 # it writes the store (evicts, caches artifacts): no stage retries; each request retries underneath
-FETCH_BUCKETS = Stage("fetch buckets", fetch_buckets, retried=False)
+FETCH_BUCKETS = Stage("fetch buckets", fetch_buckets)

@@ -104,4 +104,4 @@ def _local_layout(rx: Receiver, baseline: Baseline):
     return index.layout() if index is not None else None
 
 
-FETCH_INDEX = Stage("fetch index", fetch_index, retried=True)
+FETCH_INDEX = Stage("fetch index", fetch_index)

@@ -116,4 +116,4 @@ def recover_command(params) -> str:
     return (f"python -m flows.refit recover --model {params.model} --cache-dir {params.cache_dir}")
 
 
-INSTALL = Stage("install", install, retried=False)
+INSTALL = Stage("install", install)

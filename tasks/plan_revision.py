@@ -116,4 +116,4 @@ def claim_sequence(catalog: Catalog, sequence: int, version: str | None, publica
                             "publications", file=catalog.url, field="sequence")
 
 
-PLAN_REVISION = Stage("plan revision", plan_revision, retried=False)
+PLAN_REVISION = Stage("plan revision", plan_revision)

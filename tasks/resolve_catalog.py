@@ -151,4 +151,4 @@ def _current(rx: Receiver) -> str:
     return current.version if current is not None else "no verified checkpoint"
 
 
-RESOLVE_CATALOG = Stage("resolve catalog", resolve_catalog, retried=True)
+RESOLVE_CATALOG = Stage("resolve catalog", resolve_catalog)

@@ -177,4 +177,4 @@ def keep_launch_files(rx: Receiver, root: Revision) -> None:
         rx.ledger.note(f"kept the launch snapshot's non-weight files ({', '.join(sorted(kept.files)) or 'none'})")
 
 
-SEED_CHECKPOINT = Stage("seed checkpoint", seed_checkpoint, retried=False)
+SEED_CHECKPOINT = Stage("seed checkpoint", seed_checkpoint)

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
+from storage.format.status import CANCELLED, COMPLETED, FAILED, INTERRUPTED, PENDING, Status
+
 R = TypeVar("R")
 
 
@@ -58,16 +60,21 @@ def reporting_stages(reporter) -> Iterator[None]:
 
 @dataclass
 class StageRecord:
-    """Wall time, bytes and transfer counts of one stage, as shown in the run's table."""
+    """Wall time, bytes and transfer counts of one stage, as shown in the run's table.
+
+    A stage runs once per run attempt (no ``attempts``: earlier releases wrote
+    ``"attempts": 1`` in each row, which readers ignore). ``retries`` are its
+    requests' retries of transient I/O. ``status`` is one of
+    ``storage.format.status.StageStatus``.
+    """
 
     name: str
     seconds: float = 0.0
     bytes: int = 0
-    attempts: int = 0
     requests: int = 0
     retries: int = 0
     backoff_s: float = 0.0
-    status: str = "pending"
+    status: Status = PENDING
     detail: str = ""
 
     @property
@@ -81,7 +88,6 @@ class StageRecord:
             "seconds": round(self.seconds, 3),
             "bytes": self.bytes,
             "MB/s": round(self.mb_per_s, 1),
-            "attempts": self.attempts,
             "requests": self.requests,
             "retries": self.retries,
             "backoff_s": round(self.backoff_s, 2),
@@ -91,7 +97,7 @@ class StageRecord:
     def summary(self) -> dict:
         """What a run's result lists for the stage (``--json``)."""
         return {"name": self.name, "seconds": round(self.seconds, 3), "bytes": self.bytes,
-                "attempts": self.attempts, "requests": self.requests, "retries": self.retries,
+                "requests": self.requests, "retries": self.retries,
                 "backoff_s": round(self.backoff_s, 2), "status": self.status}
 
 
@@ -120,16 +126,16 @@ class Ledger:
         self.notes.append(message)
 
 
-def stage_status(error: BaseException, interrupted: bool) -> str:
-    """How a stage that raised ``error`` ended: ``interrupted`` (Ctrl-C, SIGTERM, a cancellation), ``cancelled``
-    (stopped because another stage failed) or ``failed``."""
+def stage_status(error: BaseException, interrupted: bool) -> Status:
+    """How a stage that raised ``error`` ended: ``INTERRUPTED`` (Ctrl-C, SIGTERM, a cancellation), ``CANCELLED``
+    (stopped because another stage failed) or ``FAILED``."""
     from storage.errors import Cancelled, Interrupted
 
     if interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
-        return "interrupted"
+        return INTERRUPTED
     if isinstance(error, Cancelled):
-        return "cancelled"
-    return "failed"
+        return CANCELLED
+    return FAILED
 
 
 class measuring:
@@ -139,14 +145,13 @@ class measuring:
         self.record, self.stop = record, stop
 
     def __enter__(self) -> StageRecord:
-        self.record.attempts += 1
         self.started = time.perf_counter()
         return self.record
 
     def __exit__(self, kind, error, _tb) -> None:
         self.record.seconds += time.perf_counter() - self.started
         if error is None:
-            self.record.status = "ok"
+            self.record.status = COMPLETED
             return
         from storage.errors import RefitError
 
@@ -165,14 +170,12 @@ class Stage(Generic[R]):
     """One pipeline stage over a plain function ``fn(run, ...)``, run once, measured and reported.
 
     A stage that is not ``interruptible`` runs even when the run was asked to
-    stop (activation, once the engine has loaded the new weights).
-    ``retried`` is kept for the stage definitions that pass it and says only
-    that the stage is idempotent (read-only, or create-only writes): a stage
-    is never retried by itself any more (``storage/retry.py``).
+    stop (activation, once the engine has loaded the new weights). A stage is
+    never retried by itself (``storage/retry.py`` says which layer retries what).
     """
 
-    def __init__(self, name: str, fn: Callable[..., R], *, retried: bool = False, interruptible: bool = True):
-        self.name, self.fn, self.retried, self.interruptible = name, fn, retried, interruptible
+    def __init__(self, name: str, fn: Callable[..., R], *, interruptible: bool = True):
+        self.name, self.fn, self.interruptible = name, fn, interruptible
         functools.update_wrapper(self, fn)
 
     def _measured(self, run, *args, **kwargs) -> R:

@@ -20,4 +20,4 @@ def upload(pub: Publisher, payload: Payload | None, url: str) -> Uploaded:
                     if payload else 0)
 
 
-UPLOAD_PAYLOAD = Stage("upload payload", upload, retried=True)  # create-only: a retry completes a partial upload
+UPLOAD_PAYLOAD = Stage("upload payload", upload)  # create-only: a publication retry completes a partial upload

@@ -55,4 +55,4 @@ def verify_digest(rx: Receiver, plan: ReplayPlan, prepared: Prepared) -> Verifie
     return VerifiedTarget(record, prepared.path, reread_bytes=progress.done)
 
 
-VERIFY_DIGEST = Stage("verify digest", verify_digest, retried=False)
+VERIFY_DIGEST = Stage("verify digest", verify_digest)

@@ -20,7 +20,7 @@ def write_record(pub: Publisher, record: Revision) -> bool:
         raise
 
 
-WRITE_RECORD = Stage("write record", write_record, retried=False)
+WRITE_RECORD = Stage("write record", write_record)
 
 EVENT = "canonical-refit.revision.published"
 

@@ -118,7 +118,7 @@ def test_ctrl_c_stops_the_run_at_a_safe_point_and_the_next_run_recovers(world, p
     assert result["status"] == "INTERRUPTED" and result["version"] is None
     assert result["installed_version"] == start_at
     statuses = {s["name"]: s["status"] for s in result["stages"]}
-    assert "interrupted" in statuses.values() and "failed" not in statuses.values(), statuses
+    assert "INTERRUPTED" in statuses.values() and "FAILED" not in statuses.values(), statuses
     assert "run the refit again" in result["next_step"]
     store = LocalStore(cache, lab.model)
     state = store.state()

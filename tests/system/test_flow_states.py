@@ -137,7 +137,7 @@ def test_the_publish_flow_records_what_it_published(flow_lab, kind):
     assert record["payload_format"] == "full_hf_checkpoint" and record["target_digest"] == result.target_digest
     assert result.target_digest == independent_digest(lab.expected(result.version))[1]
     assert [s["name"] for s in result.stages] == ["plan revision", "encode payload", "upload payload", "write record"]
-    assert all(s["status"] == "ok" for s in result.stages) and result.stages[2]["bytes"] == result.bytes_written
+    assert all(s["status"] == "COMPLETED" for s in result.stages) and result.stages[2]["bytes"] == result.bytes_written
 
 
 def test_a_failed_flow_raises_the_runs_own_typed_error_and_its_caller_reads_the_outcome(flow_lab):

@@ -143,7 +143,7 @@ def test_serve_refits_published_revisions_and_reports_a_corrupt_one(server, tmp_
                          f"- tensor: `{CORRUPT_TENSOR}`", "installed: `r1`"):
                 assert line in summary, summary
             stages = {row["stage"]: row for row in json.loads(artifacts["refit-stages-lab-tiny"].data)}
-            assert stages["apply deltas"]["status"] == "failed" and stages["apply deltas"]["attempts"] == 1
+            assert stages["apply deltas"]["status"] == "FAILED" and "attempts" not in stages["apply deltas"]
             assert CORRUPT_TENSOR in stages["apply deltas"]["detail"]
             assert stages["fetch buckets"]["bytes"] == bucket.stat().st_size
             # this run waited for the test's lock first: long enough for a progress artifact, which stopped where
