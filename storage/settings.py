@@ -6,6 +6,15 @@ same objects. Credentials are never fields here: S3 clients take them from the
 standard AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``), so they never land in a flow run's
 stored parameters.
+
+The models are plain pydantic models on ``Settings``, which reads the
+environment as pydantic-settings' environment source does with its
+defaults (the prefix and the field's name in any case; a model, list or
+dict value decoded as JSON unless the field is ``NoDecode``; a keyword
+given wins over the environment) without importing pydantic-settings, its
+sources and asyncio: a command's ``--help`` and ``status`` build their flags
+and settings in a fraction of that import's time. Validators and
+serializers are built on a model's first use (``defer_build``), not at import.
 """
 
 from __future__ import annotations
@@ -13,11 +22,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import types
+import typing
+from collections.abc import Mapping, Sequence, Set
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from storage.retry import RetryPolicy
 
@@ -54,7 +65,68 @@ def _workers_default() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-class ObjectStoreSettings(BaseSettings):
+class NoDecode:
+    """``Annotated[list[str], NoDecode]``: the field's environment value is passed on as written (the field's
+    own validator parses it), not decoded as JSON."""
+
+
+def settings_config(env_prefix: str) -> ConfigDict:
+    """A settings model's configuration: the prefix of its environment variables."""
+    return ConfigDict(env_prefix=env_prefix)  # type: ignore[typeddict-unknown-key]  (read by Settings, options)
+
+
+def _json_valued(annotation: Any) -> bool:
+    """Whether an environment value of this type is JSON: a model, a list, a tuple, a set or a mapping."""
+    origin = typing.get_origin(annotation) or annotation
+    if not isinstance(origin, type) or issubclass(origin, (str, bytes)):
+        return False
+    return issubclass(origin, (BaseModel, Mapping, Sequence, Set, tuple))
+
+
+def env_values(model: type[BaseModel]) -> dict:
+    """The values ``model``'s environment sets: ``{prefix}{field}`` in any case; JSON for a model, list or
+    mapping field (a union with one keeps a value that is not JSON as written); a ``NoDecode`` field as written."""
+    prefix = (model.model_config.get("env_prefix") or "").lower()
+    environ = {name.lower(): value for name, value in os.environ.items()}
+    values: dict = {}
+    for name, info in model.model_fields.items():
+        raw = environ.get(f"{prefix}{name}".lower())
+        if raw is None:
+            continue
+        union = isinstance(info.annotation, types.UnionType) or typing.get_origin(info.annotation) is typing.Union
+        members = typing.get_args(info.annotation) if union else (info.annotation,)
+        if NoDecode in info.metadata or not any(_json_valued(member) for member in members):
+            values[name] = raw
+            continue
+        try:
+            values[name] = json.loads(raw)
+        except ValueError:
+            if not union:
+                raise ValueError(f'error parsing value for field "{name}" from source "EnvSettingsSource": '
+                                 f"{prefix.upper()}{name.upper()} is not JSON") from None
+            values[name] = raw
+    return values
+
+
+def _merged(under: dict, over: Mapping) -> dict:
+    """``under`` updated with ``over``, nested dicts merged (``over`` wins)."""
+    out = dict(under)
+    for key, value in over.items():
+        below = out.get(key)
+        out[key] = _merged(below, value) if isinstance(below, dict) and isinstance(value, Mapping) else value
+    return out
+
+
+class Settings(BaseModel):
+    """A model whose fields not given as keywords come from its environment (``env_values``), then defaults."""
+
+    model_config = ConfigDict(extra="ignore", validate_default=True, arbitrary_types_allowed=True, defer_build=True)
+
+    def __init__(self, **values: Any) -> None:
+        super().__init__(**_merged(env_values(type(self)), values))
+
+
+class ObjectStoreSettings(Settings):
     """How to reach object storage (env prefix ``CANONICAL_REFIT_S3_``, e.g. ``CANONICAL_REFIT_S3_ENDPOINT_URL``).
 
     The endpoint and region fall back to botocore's own environment
@@ -64,7 +136,7 @@ class ObjectStoreSettings(BaseSettings):
     botocore's and s3fs's own retries are turned off so that each one is counted.
     """
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_S3_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_S3_")
 
     endpoint_url: str | None = Field(None, description="S3 endpoint, e.g. http://127.0.0.1:9000")
     region: str | None = Field(None, description="S3 region name")
@@ -105,10 +177,10 @@ class ObjectStoreSettings(BaseSettings):
         return self
 
 
-class InstallerSettings(BaseSettings):
+class InstallerSettings(Settings):
     """Which engine to install into (env prefix ``CANONICAL_REFIT_INSTALLER_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_INSTALLER_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_INSTALLER_")
 
     kind: Literal["none", "sglang", "sglang-disk"] = Field(
         "none", description="how to install into the engine: none (record only), sglang (the in-engine "
@@ -128,10 +200,10 @@ class InstallerSettings(BaseSettings):
         return self
 
 
-class RefitParams(BaseSettings):
+class RefitParams(Settings):
     """Parameters of one refit (env prefix ``CANONICAL_REFIT_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_")
 
     catalog: str = Field(..., description="catalog URL: s3://bucket/prefix, file:///path or a local path")
     model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
@@ -228,10 +300,10 @@ class RefitParams(BaseSettings):
         return int(self.cache_max_gb * 1e9)
 
 
-class PublishParams(BaseSettings):
+class PublishParams(Settings):
     """Parameters of one publication (env prefix ``CANONICAL_REFIT_PUBLISH_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_PUBLISH_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_PUBLISH_")
 
     catalog: str = Field(..., description="catalog URL the record is written to: s3://bucket/prefix, "
                                           "file:///path or a local path")
@@ -343,10 +415,10 @@ class PublishParams(BaseSettings):
         return self.bucket_max_mib * MIB
 
 
-class RecoverParams(BaseSettings):
+class RecoverParams(Settings):
     """Parameters of a recovery (env prefix ``CANONICAL_REFIT_``, like a refit's)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_")
 
     model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
