@@ -24,16 +24,25 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 from flows.fleet import FleetView, VersionFailed, WaitOutcome, fleet_status, forget, wait_for
 from flows.report import RefitResult
 from storage.format.status import SUCCEEDED, Status
-from storage.catalog.records import Revision
 from storage.errors import RefitError
-from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, ObjectStoreSettings, PublishParams, RefitParams
 
 if TYPE_CHECKING:
     from flows.publish import PendingPublish, PublishResult
+    from storage.catalog.records import Revision
 
 __all__ = ["publish", "refit", "status", "fleet_status", "wait_for", "forget", "FleetView", "WaitOutcome", "RefitResult",
            "Revision", "Status", "VersionFailed"]
+
+
+def __getattr__(name: str):
+    """``Revision``, imported on first use: ``import flows.api`` leaves the catalog stack (object storage,
+    codecs) to the calls that read or write a catalog (PEP 562)."""
+    if name == "Revision":
+        from storage.catalog.records import Revision
+
+        return Revision
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _nested(values: dict, name: str, model: type, given) -> None:
@@ -160,6 +169,8 @@ def refit(*, catalog: str, model: str, target: str = "latest", cache_dir: str | 
 
 def status(*, model: str, cache_dir: str | Path | None = None) -> dict:
     """This node's store: its state, installed identity, poisoned mark and verified checkpoints."""
+    from storage.store.local_store import LocalStore
+
     root = Path(cache_dir) if cache_dir else RefitParams.model_fields["cache_dir"].default
     store = LocalStore(root, model, create=False)
     if not store.exists:

@@ -45,23 +45,25 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from typing import TYPE_CHECKING
+
+from pydantic import Field
 
 from flows.options import add_flags, build, field_errors, flags as field_flags, given, with_values
-from storage.catalog.records import Catalog
 from storage.errors import RefitError
-from storage.catalog.nodes import NodeRecord, delete_node_record, read_node_records, scan_node_records
 from storage.format.status import DRIFTED, POISONED, STALE
-from storage.objects.store import ObjectStore
-from storage.settings import MODEL_PATTERN, VERSION_PATTERN, ObjectStoreSettings
+from storage.settings import MODEL_PATTERN, VERSION_PATTERN, ObjectStoreSettings, Settings, settings_config
+
+if TYPE_CHECKING:  # the catalog and object-store stack is imported where a command reads the records
+    from storage.catalog.nodes import NodeRecord
+    from storage.catalog.records import Catalog
+    from storage.objects.store import ObjectStore
 
 
-
-class FleetParams(BaseSettings):
+class FleetParams(Settings):
     """Where the fleet's records are, and what to wait for (env prefix ``CANONICAL_REFIT_FLEET_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_FLEET_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_FLEET_")
 
     catalog: str = Field(..., description="catalog URL: s3://bucket/prefix, file:///path or a local path")
     model: str = Field(..., pattern=MODEL_PATTERN, description="model id, e.g. org/name")
@@ -175,6 +177,9 @@ class VersionFailed(RefitError):
 
 def fleet_status(catalog: str, model: str, *, storage: ObjectStoreSettings | None = None) -> FleetView:
     """Every node's status record of ``model``."""
+    from storage.catalog.nodes import read_node_records
+    from storage.objects.store import ObjectStore
+
     records, problems = read_node_records(ObjectStore.shared(storage), catalog, model)
     return FleetView(records, problems)
 
@@ -184,6 +189,9 @@ def forget(catalog: str, model: str, node: str, *, storage: ObjectStoreSettings 
 
     A node that is still alive writes its record again at its next heartbeat or run.
     """
+    from storage.catalog.nodes import delete_node_record
+    from storage.objects.store import ObjectStore
+
     return delete_node_record(ObjectStore.shared(storage), catalog, model, node)
 
 
@@ -200,6 +208,9 @@ def wait_for(version: str, *, catalog: str, model: str, nodes: int | None = None
     between reads of the records; ``timeout_s``: when to give up. An unreadable catalog or node-record folder
     is read again at every poll until the timeout.
     """
+    from storage.catalog.records import Catalog
+    from storage.objects.store import ObjectStore
+
     objects = ObjectStore.shared(storage)
     revisions = Catalog(objects, catalog, model)
     started = time.monotonic()
@@ -260,6 +271,8 @@ def _ended(places: _Places, nodes: int | None) -> str | None:
 def _places(revisions: Catalog, objects: ObjectStore, catalog: str, model: str, version: str,
             expect: list[str] | None, all_seen_within_s: float | None, problems: list[str]) -> _Places:
     """Read the records once and place every expected node; what could not be read goes to ``problems``."""
+    from storage.catalog.nodes import scan_node_records
+
     try:
         scan = scan_node_records(objects, catalog, model)
     except RefitError as exc:  # the folder could not be listed: no node is placed from a guess
@@ -389,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(with_values(sys.argv[1:] if argv is None else argv, WAIT_FLAGS + FORGET_FLAGS))
     flags = FLEET_FLAGS_BY_COMMAND[args.command]
+    from pydantic import ValidationError
+
     try:
         params = build(FleetParams, given(args, flags))
     except ValidationError as exc:
