@@ -4,7 +4,7 @@ Prefect's own runner starts a new Python process for every flow run: a refit
 then pays for an interpreter, Prefect's import and its client set-up (seconds)
 before the first byte moves. The agent keeps all of that warm. It registers
 the node's deployments, asks the Prefect server for their runs that are due
-(scheduled, or created by the publication event's automation), claims each
+(scheduled, created by its own reconcile loop, or from the UI), claims each
 one (``Pending``) and runs it in this process with Prefect's flow engine —
 still a flow run with its states, task runs, logs and artifacts in the UI.
 Runs are executed one at a time, so two refits of the node never overlap (the
@@ -33,23 +33,28 @@ run's state is also read every ``cancel_poll_s`` while it runs, a fallback);
 SIGTERM or Ctrl-C stop the agent the same way: the run in progress ends
 ``INTERRUPTED`` with its store recoverable, then the agent exits.
 
-Fan-out of a publication (``PublishFanOut``, ``deployments.serve --fan-out
-agent``): instead of a server automation per node, each agent subscribes to
-the published events of its model and creates its own ``refit-on-publish``
-run for the event's version (one API request per node, idempotent per event
-and deployment), so the server evaluates no per-node automation; the run is
-still a flow run of that deployment in the UI. When its event subscription
-(re)connects, the agent creates one ``refit-latest`` run, for publications
-it could not hear while the stream was down.
+A publication reaches the node through one path, the agent's reconcile loop
+(``deployments/agent_head.py``), level-based in the manner of a Kubernetes
+controller: a published event of its model (``Publications``) only records
+the version it names as desired and wakes the loop; the loop compares the
+desired version (the newest heard, and the catalog's head) with the
+installed one and creates at most one ``refit-on-publish`` run, for the
+newest, when it is newer. Events and timers only wake the loop; the head
+check's interval (with its backoff) governs retries; a burst of
+publications coalesces to the newest; an event delivered again makes no
+run. Without the event stream (``--no-event-wakeups``) the head check alone
+carries publications, within ``head_poll_s``. The server evaluates no
+per-node automation. Flow runs are the record of each refit, not the source
+of truth.
 
 A node whose agent was killed (SIGKILL, a crashed host, a rescheduled pod)
 leaves its run ``Running`` on the server; ``deployments/orphans.py`` closes
 such runs (the agent's claims, and Prefect's zombie-run automation).
 
 The agent's parts: ``agent_config`` (defaults, ``AgentStats``,
-``PublishFanOut``), ``agent_runs`` (claim, run, settle one flow run),
-``agent_events`` (the event subscriptions) and ``agent_head`` (the level
-check and coalescing); this module composes them into ``NodeAgent`` and runs
+``Publications``), ``agent_runs`` (claim, run, settle one flow run),
+``agent_events`` (the event subscriptions) and ``agent_head`` (the reconcile
+step and coalescing); this module composes them into ``NodeAgent`` and runs
 it (``serve_in_process``). Every public name stays importable from here.
 """
 
@@ -65,7 +70,7 @@ from uuid import UUID
 
 from deployments.agent_config import (  # noqa: F401 (re-exported: the agent's public names)
     CANCEL_POLL_NO_EVENTS_S, CANCEL_POLL_S, CANCELLING_EVENT, FOLLOW_UP_S, HEAD_POLL_S, HEARTBEAT_S, MAX_BACKOFF_S,
-    POLL_S, SHUTDOWN_S, AgentStats, PublishFanOut,
+    POLL_S, SHUTDOWN_S, AgentStats, Publications,
 )
 from deployments.agent_events import EventListening
 from deployments.agent_head import HeadCheck, _only_if_newer, _target  # noqa: F401 (re-exported)
@@ -86,7 +91,7 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
                  cancel_poll_s: float = CANCEL_POLL_S, wake_on_events: bool = True,
                  heartbeat: Callable[[bool], Any] | None = None, heartbeat_s: float = HEARTBEAT_S,
                  zombie_after_s: float | None = None, outcomes: dict[str, Callable[..., Any]] | None = None,
-                 fan_out: PublishFanOut | None = None, vet: dict[str, Callable[[dict], dict]] | None = None,
+                 publications: Publications | None = None, vet: dict[str, Callable[[dict], dict]] | None = None,
                  head_watch: Any = None, head_poll_s: float = HEAD_POLL_S, node: str | None = None):
         self.deployments = deployments
         # flows.node_report.HeadWatch: the catalog's head against what the node runs (None: events and the interval
@@ -99,9 +104,7 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
         # flow name -> the run's parameters as this node runs them, or RunRefused (deployments/pinning.py); a flow
         # with no entry is not run at all (a run's parameters are never run as they come)
         self.vet = vet or {}
-        self.fan_out = fan_out
-        self._fan_out_id: UUID | None = None
-        self._subscribed_once = False
+        self.publications = publications  # the published events that wake the loop, and where its refits go
         # flow name -> outcome(reset=False): the final state the flow's last run reached in this process
         self.outcomes = outcomes or {}
         self.zombie_after_s = zombie_after_s  # None: no zombie automation (flow-run heartbeats are off)
@@ -121,6 +124,7 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
         self._busy = threading.Event()  # a flow run is executing
         self._heal = threading.Event()  # a heartbeat saw the engines drift from the store: refit to heal
         self._latest_id: UUID | None = None  # the start_now deployment, which a heal runs
+        self._init_reconcile()
 
     def register(self, client) -> list[UUID]:
         """Create or update every deployment on the server; their ids."""
@@ -129,8 +133,8 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
             deployment_id = deployment.apply()
             self._flows[deployment_id] = self.flows[deployment.flow_name]
             ids.append(deployment_id)
-            if self.fan_out is not None and deployment.name == self.fan_out.deployment:
-                self._fan_out_id = deployment_id
+            if self.publications is not None and deployment.name == self.publications.deployment:
+                self._refit_id = deployment_id
             log.info("registered deployment %s (%s)", deployment.name, deployment_id)
         if self.zombie_after_s:
             ensure_zombie_automation(client, self.zombie_after_s)
@@ -167,9 +171,9 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
                     if self.wake_on_events:
                         threading.Thread(target=self._listen, args=(lambda: self._subscribe(api_url, ids),),
                                          name="run-wakeup", daemon=True).start()
-                    if self._fan_out_id is not None:
+                    if self.wake_on_events and self._refit_id is not None:
                         threading.Thread(target=self._listen, args=(lambda: self._subscribe_published(api_url),),
-                                         name="publish-fan-out", daemon=True).start()
+                                         name="published-wakeup", daemon=True).start()
                     log.info("node agent ready: %d deployment(s), woken by their scheduled-run events, polling "
                              "every %.1fs", len(ids), self.poll_s)
                     self._serve(client, ids)
@@ -233,7 +237,7 @@ class NodeAgent(HeadCheck, EventListening, RunExecution):
                     self._create_latest(client, "heal: the engines drifted from the installed version")
                     self.stats.heals += 1
                 due = self._coalesce(client, self._due(client, ids))
-                if not due and time.monotonic() >= self._next_head_check:
+                if not due and self._check_due():  # an event named a new version, or the timer
                     due = self._check_head(client, ids)
                 for run in due:
                     if self.stop.stopped:
@@ -271,7 +275,7 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
                      wake_on_events: bool = True, heartbeat: Callable[[bool], Any] | None = None,
                      heartbeat_s: float = HEARTBEAT_S, zombie_after_s: float | None = None,
                      outcomes: dict[str, Callable[..., Any]] | None = None,
-                     fan_out: PublishFanOut | None = None,
+                     publications: Publications | None = None,
                      vet: dict[str, Callable[[dict], dict]] | None = None, head_watch: Any = None,
                      head_poll_s: float = HEAD_POLL_S, node: str | None = None,
                      shutdown_s: float = SHUTDOWN_S) -> AgentStats:
@@ -295,7 +299,7 @@ def serve_in_process(deployments: list, flows: dict[str, Any], *, poll_s: float 
         stop.add_listener(lambda: stopped_at.append(time.monotonic()))
         agent = NodeAgent(deployments, flows, poll_s=poll_s, start_now=start_now, cancel_poll_s=cancel_poll_s,
                           wake_on_events=wake_on_events, stop=stop, heartbeat=heartbeat, heartbeat_s=heartbeat_s,
-                          zombie_after_s=zombie_after_s, outcomes=outcomes, fan_out=fan_out, vet=vet,
+                          zombie_after_s=zombie_after_s, outcomes=outcomes, publications=publications, vet=vet,
                           head_watch=head_watch, head_poll_s=head_poll_s, node=node)
         context = contextvars.copy_context()
         thread = threading.Thread(target=context.run, args=(lambda: outcome.update(stats=agent.run()),),

@@ -31,20 +31,21 @@ class AgentStats:
     wakeups: int = 0  # scheduled-run events received from the server's event stream
     heartbeats: int = 0  # node record refreshes (no Prefect API request)
     heals: int = 0  # refits started because a heartbeat saw the engines drift from the store
-    fan_outs: int = 0  # refit-on-publish runs this agent created for published events (--fan-out agent)
+    heard: int = 0  # published events of the model heard (each only records the desired version and wakes the loop)
     refused: int = 0  # runs whose parameters this node's configuration does not allow (deployments/pinning.py)
     head_checks: int = 0  # reads of the catalog's head (the level check that catches a lost publication)
-    catch_ups: int = 0  # refit-latest runs created because the head was newer than the node (or to retry)
+    catch_ups: int = 0  # refit runs the loop created: the desired version was newer than the installed one (or a retry)
     superseded: int = 0  # refit runs ended Skipped, unrun, because a newer version was due (a burst coalesced)
     started_at: float = field(default_factory=time.monotonic)
     run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
 
 
 @dataclass(frozen=True)
-class PublishFanOut:
-    """The agent turns each published event into a run of its own deployment (no server automation)."""
+class Publications:
+    """What the agent's loop hears and where its refits go: the published events of its model (each records the
+    desired version and wakes the loop) and the deployment whose runs the loop creates for a desired version."""
 
-    deployment: str  # the deployment whose runs it creates (refit-on-publish with the node's suffix)
+    deployment: str  # the deployment whose runs the loop creates (refit-on-publish with the node's suffix)
     event: str  # the event's name
     resource_prefix: str  # the model's published events: their resource id starts so
-    parameters: Callable[[str], dict]  # the run's parameters for a published version
+    parameters: Callable[[str], dict]  # a run's parameters for a desired version

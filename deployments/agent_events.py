@@ -2,9 +2,10 @@
 
 ``EventListening`` is a part of ``deployments.agent.NodeAgent``: a
 scheduled-run event wakes the poll loop at once, a ``Cancelling`` event stops
-the run in progress (``_cancelled``, in ``deployments.agent_runs``), and with
-``PublishFanOut`` each published event becomes a run of the node's own
-deployment.
+the run in progress (``_cancelled``, in ``deployments.agent_runs``), and a
+published event of the model records the version it names as desired and
+wakes the loop (``_hear``, in ``deployments.agent_head``): the loop, not the
+event, decides whether a refit runs.
 """
 
 from __future__ import annotations
@@ -96,21 +97,15 @@ class EventListening:
                 await receiving.close()
 
     async def _subscribe_published(self, api_url: str) -> None:
-        """Create a run of the fan-out deployment for every published event of the model, until stopped."""
-        from prefect.client.orchestration import get_client
+        """Hear the model's published events until stopped: each records the version it names as desired and
+        wakes the loop (``_hear``), which decides whether a refit runs; no run is created here."""
         from prefect.events.clients import PrefectEventSubscriber
         from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-        fan = self.fan_out
-        wanted = EventFilter(event=EventNameFilter(name=[fan.event]),
-                             resource=EventResourceFilter(id_prefix=[fan.resource_prefix]))
-        async with get_client() as client, PrefectEventSubscriber(api_url=api_url, filter=wanted,
-                                                                    reconnect_on_clean_close=True) as events:
-            if self._subscribed_once:  # a reconnect: what was published meanwhile
-                if self._latest_id is not None:
-                    await client.create_flow_run_from_deployment(self._latest_id)
-                    log.info("the published-event stream is back: one refit to latest for what it missed")
-            self._subscribed_once = True
+        wanted = EventFilter(event=EventNameFilter(name=[self.publications.event]),
+                             resource=EventResourceFilter(id_prefix=[self.publications.resource_prefix]))
+        async with PrefectEventSubscriber(api_url=api_url, filter=wanted, reconnect_on_clean_close=True) as events:
+            self._check_soon()  # (re)connected: what was published while the stream was down is in the head
             receiving = _Receiving(events.__aiter__())
             try:
                 while not self.stop.stopped:
@@ -121,12 +116,6 @@ class EventListening:
                     if not isinstance(version, str):
                         log.warning("published event %s carries no version: ignored", event.id)
                         continue
-                    self.stats.api_requests += 1
-                    run = await client.create_flow_run_from_deployment(
-                        self._fan_out_id, parameters=fan.parameters(version),
-                        idempotency_key=f"{event.id}:{self._fan_out_id}")  # one run per event and node
-                    self.stats.fan_outs += 1
-                    log.info("published %s: created flow run %s of %s", version, run.id, fan.deployment)
-                    self._wake.set()
+                    self._hear(version)
             finally:
                 await receiving.close()

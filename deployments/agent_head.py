@@ -1,7 +1,20 @@
-"""The agent's level check: the catalog's head against what the node runs, and coalescing a burst of refits.
+"""The agent's reconcile loop step: desired version against installed version, at most one refit run for it.
 
 ``HeadCheck`` is a part of ``deployments.agent.NodeAgent`` (it reads the
-agent's ``head_watch``, ``head_poll_s``, ``node``, ``stats`` and ``_latest_id``).
+agent's ``head_watch``, ``head_poll_s``, ``node``, ``stats``,
+``publications`` and the deployment ids ``register`` found).
+
+Level-based, in the manner of a Kubernetes controller: a published event
+only records the version it names (``_hear``) and wakes the loop; the loop
+compares the desired version (the newest of the versions heard and the
+catalog's head, ``HeadWatch.due``) with the observed one (what the node's
+store installed) and creates at most ONE refit run, for the newest desired
+version, when it is newer than the installed one. A burst of publications
+is coalesced to the newest by construction; an event delivered again finds
+nothing newer (or its run already created) and makes no run. The check runs
+at once when an event names a version not heard before, else every
+``head_interval_s()`` while no run is due: the timer, not events, governs
+retries.
 
 A refit that failed on storage (the revision could not be read: an outage,
 a missing object, denied access) is retried at the next check. While such
@@ -17,6 +30,7 @@ retried: the same bytes would be refused again.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from uuid import UUID
 
@@ -27,7 +41,35 @@ HEAD_POLL_CAP_S = 60.0  # the longest interval between head checks, backing off 
 
 
 class HeadCheck:
-    """Refit-latest runs created by the agent itself: at start-up, to heal a drift, and when the head moved."""
+    """The refit runs the agent creates itself: at start-up, to heal a drift, and when the desired version (heard
+    on an event or read as the catalog's head) is newer than the installed one."""
+
+    def _init_reconcile(self) -> None:
+        self._heard_lock = threading.Lock()
+        self._heard: list[str] = []  # versions heard on published events, not yet compared by a check
+        self._heard_ever: set[str] = set()  # every version heard: one delivered again does not bypass the timer
+        self._check_now = threading.Event()  # an event named a version not heard before: check without waiting
+        self._refit_id: UUID | None = None  # the deployment the loop's refit runs belong to (register sets it)
+
+    def _hear(self, version: str) -> None:
+        """A published event named ``version``: record it as desired and wake the loop (no run is created here)."""
+        self.stats.heard += 1
+        with self._heard_lock:
+            if version in self._heard_ever:
+                return  # delivered again: the loop already knows (a run for it exists, or it is not newer)
+            self._heard_ever.add(version)
+            self._heard.append(version)
+        log.info("heard that %s was published: checking it against the installed version", version)
+        self._check_now.set()
+        self._wake.set()
+
+    def _check_soon(self) -> None:
+        """The event stream (re)connected: what was published meanwhile is read from the catalog's head now."""
+        self._check_now.set()
+        self._wake.set()
+
+    def _check_due(self) -> bool:
+        return self._check_now.is_set() or time.monotonic() >= self._next_head_check
 
     def _run_name(self, detail: str) -> str:
         return f"refit {self.node} {detail}" if self.node else f"refit {detail}"
@@ -41,6 +83,21 @@ class HeadCheck:
         log.info("created flow run %s (%s): %s", run.name, run.id, why)
         return run
 
+    def _create_refit(self, client, installed: str | None, version: str, why: str):
+        """The loop's one refit run for the desired ``version``: of the publications' deployment with that target
+        (without one configured: of refit-latest); the idempotency key names this process, the versions and
+        the retry, so a request the client re-sends makes no second run."""
+        name = self._run_name(f"{installed or 'none'} -> {version}")
+        if self.publications is None or self._refit_id is None:
+            return self._create_latest(client, why, name)
+        self.stats.api_requests += 1
+        key = f"{self.identity} {installed or 'none'} -> {version} #{self.stats.catch_ups}"
+        run = client.create_flow_run_from_deployment(
+            self._refit_id, parameters=self.publications.parameters(version), name=name,
+            tags=[node_tag(self.node)] if self.node else None, idempotency_key=key)
+        log.info("created flow run %s (%s): %s", run.name, run.id, why)
+        return run
+
     def head_interval_s(self) -> float:
         """Seconds until the next head check: ``head_poll_s``, doubled for each storage retry after the first
         that is still failing, at most ``HEAD_POLL_CAP_S`` (or ``head_poll_s`` if that is longer)."""
@@ -48,16 +105,19 @@ class HeadCheck:
         return min(max(self.head_poll_s, HEAD_POLL_CAP_S), self.head_poll_s * backoff)
 
     def _check_head(self, client, ids: list[UUID]) -> list:
-        """Every ``head_interval_s()`` with no run due: if the catalog's head is newer than what the node runs (a
-        publication whose event was lost) or the last refit failed on storage, create one refit-latest run; the
-        runs due afterwards (that one)."""
+        """Compare the desired version (the newest of the versions heard since the last check and the catalog's
+        head) with the installed one; if it is newer (or the last refit failed on storage), create one refit run
+        for it; the runs due afterwards (that one)."""
+        self._check_now.clear()
+        with self._heard_lock:
+            heard, self._heard = self._heard, []
         self._next_head_check = time.monotonic() + self.head_interval_s()
-        if self.head_watch is None or self._latest_id is None:
+        if self.head_watch is None or (self._latest_id is None and self._refit_id is None):
             return []
         self.stats.head_checks += 1
         try:
-            due = self.head_watch.due()
-        except Exception as exc:  # storage down: the next check tries again
+            due = self.head_watch.due(heard=heard) if heard else self.head_watch.due()
+        except Exception as exc:  # storage down: the next check tries again (what was heard is in the head too)
             log.warning("could not check the catalog's head (next check in %.0fs): %s", self.head_interval_s(), exc)
             return []
         # one rate limiter: consecutive storage retries lengthen the interval, anything else resets it
@@ -69,7 +129,7 @@ class HeadCheck:
         if self._storage_retries > 1:
             why += f" (retry {self._storage_retries}; next check in {self.head_interval_s():.0f}s)"
         installed = getattr(self.head_watch, "installed", lambda: None)()
-        self._create_latest(client, why, self._run_name(f"{installed or 'none'} -> {version}"))
+        self._create_refit(client, installed, version, why)
         self.stats.catch_ups += 1
         return self._due(client, ids)
 

@@ -13,9 +13,15 @@ time, so no Python or Prefect start-up is paid per run:
 
 * ``refit/refit-latest`` refits to the catalog's latest revision every
   ``--interval`` seconds, when it is newer than the installed one;
-* ``refit/refit-on-publish`` runs on every ``canonical-refit.revision.published``
-  event for this model, with the event's version as the target; a version that
-  is not newer than the installed one ends in a ``Skipped`` state that says so;
+* ``refit/refit-on-publish`` holds the refits the agent's reconcile loop
+  creates: a ``canonical-refit.revision.published`` event for this model (or
+  the catalog's head, checked every ``--head-poll-seconds``) names a version
+  newer than the installed one, and the loop creates one run with the newest
+  such version as its target (a burst of publications is one run; an event
+  delivered again is none). No server automation is attached to it (one that
+  an older version of this command attached is removed when the deployment
+  is registered again); ``deployments/prefect.yaml``, for a stock worker
+  without this agent, keeps its event trigger;
 * ``publish/publish``, only with ``--serve-publish``: the trainer side, run with a checkpoint
   from under a ``--publish-checkpoint-root`` as a parameter.
 
@@ -55,6 +61,10 @@ from storage.settings import RefitParams
 log = logging.getLogger("canonical_refit.serve")
 EVENT = "canonical-refit.revision.published"  # flows.publish.EVENT, without importing Prefect here
 TAGS = ["canonical-refit"]
+FAN_OUT_DEPRECATED = ("warning: --fan-out automation is deprecated and has no effect: the agent's reconcile loop "
+                      "(published events wake it; the catalog's head check, every --head-poll-seconds, catches up) "
+                      "is the only path from a publication to this node's refit, and no server automation is "
+                      "created; drop the flag (docs/fleet.md)")
 
 
 class ServeSettings(BaseSettings):
@@ -113,10 +123,9 @@ class ServeSettings(BaseSettings):
                                  "default: three heartbeats (PREFECT_FLOWS_HEARTBEAT_FREQUENCY, 180 s by default)",
         json_schema_extra={"flag": "--zombie-after"})
     fan_out: Literal["automation", "agent"] = Field(
-        "automation", description="who turns a published event into this node's run: a server automation per "
-                                  "node (the deployment's trigger), or the agent itself, subscribed to the published "
-                                  "events (no automation per node for the server to evaluate; needs the event "
-                                  "stream; docs/fleet.md)")
+        "agent", description="deprecated, kept for compatibility: the agent's reconcile loop is the only path from "
+                             "a publication to this node's run ('agent' changes nothing; 'automation' warns and "
+                             "behaves the same; docs/fleet.md)")
     wake_on_events: bool = Field(True, description="wake the agent when a run of its deployments is scheduled, from "
                                                    "the server's event stream (one websocket per node), so that "
                                                    "triggered runs start at once; without it only the polls find them",
@@ -164,7 +173,9 @@ def refit_parameters(params: RefitParams, **overrides) -> dict:
 
 
 def on_publish_trigger(params: RefitParams, name_suffix: str = ""):
-    """The event trigger of ``refit-on-publish``: this model's published events, the event's version as target."""
+    """The event trigger ``deployments/prefect.yaml`` gives ``refit-on-publish`` for a stock worker (this model's
+    published events, the event's version as target). ``build_deployments`` attaches none: the agent's reconcile
+    loop creates the runs."""
     from prefect.events import DeploymentEventTrigger
 
     return DeploymentEventTrigger(
@@ -191,9 +202,10 @@ def build_deployments(params: RefitParams, settings: ServeSettings) -> list:
     )
     on_publish = refit.to_deployment(
         f"refit-on-publish{suffix}",
-        triggers=[on_publish_trigger(params, suffix)] if settings.fan_out == "automation" else [],
+        triggers=[],  # re-applied, this also removes the automation an older version attached (Prefect's apply)
         parameters=refit_parameters(params, target="latest", only_if_newer=True),
-        description=f"Refit {params.model} to each version announced by {EVENT}; older versions are skipped.",
+        description=f"Refits of {params.model} the node's agent creates when a version newer than the installed "
+                    f"one is published ({EVENT}, or the catalog's head); one run for the newest of a burst.",
         tags=[*TAGS, node_tag(params.node)],
     )
     if not settings.publish:
@@ -250,9 +262,12 @@ def parse_args(argv: list[str]) -> tuple[RefitParams, ServeSettings, argparse.Na
     parser = _parser()
     args = parser.parse_args(with_values(argv, NODE_FLAGS + SERVE_FLAGS))
     try:
-        return build(RefitParams, given(args, NODE_FLAGS)), build(ServeSettings, given(args, SERVE_FLAGS)), args
+        params, settings = build(RefitParams, given(args, NODE_FLAGS)), build(ServeSettings, given(args, SERVE_FLAGS))
     except ValidationError as exc:
         parser.error(field_errors(exc, NODE_FLAGS + SERVE_FLAGS))
+    if settings.fan_out == "automation":
+        print(FAN_OUT_DEPRECATED, file=sys.stderr)
+    return params, settings, args
 
 
 def node_environment(params: RefitParams) -> dict[str, str]:
@@ -298,40 +313,35 @@ def main(argv: list[str] | None = None) -> int:
         print("error: PREFECT_API_URL is not set. Start a server (prefect server start) and export "
               "PREFECT_API_URL=http://127.0.0.1:4200/api first.", file=sys.stderr)
         return 2
-    from deployments.agent import PublishFanOut, serve_in_process
+    from deployments.agent import Publications, serve_in_process
     from flows.publish import publish
     from flows.refit import refit
 
     os.environ.update(node_environment(params))  # ad-hoc runs use this node's store and engine
     deployments = build_deployments(params, settings)
-    log.info("node %s serving %s for %s from %s on %s: refit-latest every %.0f s, refit-on-publish on %s; "
-             "flow runs in this process, one at a time", params.node, ", ".join(d.name for d in deployments),
-             params.model, params.catalog, url, settings.interval_s, EVENT)
+    log.info("node %s serving %s for %s from %s on %s: refit-latest every %.0f s; the catalog's head checked every "
+             "%.0f s%s; flow runs in this process, one at a time", params.node,
+             ", ".join(d.name for d in deployments), params.model, params.catalog, url, settings.interval_s,
+             settings.head_poll_s, f" and woken by {EVENT}" if settings.wake_on_events else "")
     from flows import node_report
     from flows.fleet_table import FleetTable
     from flows.outcome import last_refit_outcome
     from tasks.installers import make_installer
 
     node_report.heartbeat_interval_s = settings.heartbeat_s
-    fan_out = None
-    if settings.fan_out == "agent":
-        if not settings.wake_on_events:
-            print("error: --fan-out agent hears publications on the event stream: drop --no-event-wakeups",
-                  file=sys.stderr)
-            return 2
-        fan_out = PublishFanOut(
-            f"refit-on-publish{settings.suffix_for(params.node)}", EVENT, resource_id(params.model, ""),
-            lambda version: refit_parameters(params, target=version, only_if_newer=True))
+    publications = Publications(  # the events that wake the loop (with --no-event-wakeups: none, the head check)
+        f"refit-on-publish{settings.suffix_for(params.node)}", EVENT, resource_id(params.model, ""),
+        lambda version: refit_parameters(params, target=version, only_if_newer=True))
     installer = make_installer(params.installer)  # one, for the heartbeats' questions to the engines
     stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, vet=run_vetting(params, settings),
                              poll_s=settings.poll_s,
                              start_now=f"refit-latest{settings.suffix_for(params.node)}",
                              wake_on_events=settings.wake_on_events, heartbeat_s=settings.heartbeat_s,
                              heartbeat=FleetTable(params.catalog, params.model, node=params.node,  # fleet table
-                                                  storage=params.storage).beat(
+                                                  storage=params.storage, heartbeat_s=settings.heartbeat_s).beat(
                                  lambda busy: node_report.refresh_node(params, installer, busy=busy)),
                              zombie_after_s=settings.zombie_window_s(),
-                             outcomes={"refit": last_refit_outcome}, fan_out=fan_out,
+                             outcomes={"refit": last_refit_outcome}, publications=publications,
                              head_watch=node_report.HeadWatch(params), head_poll_s=settings.head_poll_s,
                              node=params.node)
     log.info("served %d flow run(s) with %d API polls in %.0fs", stats.runs, stats.polls,

@@ -8,14 +8,24 @@ catalog (``storage/catalog/nodes.py``), read once (one listing, then each
 record): ``fleet_rows`` turns records into rows (no Prefect, no I/O),
 ``write_fleet_table`` reads them and writes the artifact.
 
-A node agent keeps it current (``FleetTable``): its heartbeat rewrites the
-table when this node's record changes state (its condition, version, store
-version or an engine's word), and the agent asks for a rewrite after each
-refit settles. The writes happen in a thread of their own, one at a time,
-the latest request winning: a Prefect API that is down never holds the
-heartbeat (which keeps the node from looking stale) or the agent's loop.
-The table is a snapshot: its ages are as of the write, which its description
-states; ``python -m flows.fleet status`` reads the records live.
+The node agents keep it current (``FleetTable``), and one of them at a time
+writes it: the keeper, the node with the smallest name among the live ones
+(``fleet_keeper``: ONE listing of the records' prefix, a record object
+modified within one heartbeat plus its grace counting as live; a node
+counts itself live). At each beat and after each refit every agent lists
+(one request); only the keeper then reads the N records and rewrites the
+table, and only when a row changed state (a condition, a version, a last
+run, an engine's word; not an age). A publication thus costs the fleet N
+listings and N record reads, not N x N reads; a keeper that dies is
+replaced by the next name once its record ages out of the window. The
+object times are the storage's clock, compared with this host's: a skew
+larger than the window can make two keepers (two writers of the same
+table, harmless) or none for a while. The writes happen in a thread of
+their own, one at a time, the latest request winning: a Prefect API that is
+down never holds the heartbeat (which keeps the node from looking stale) or
+the agent's loop. The table is a snapshot: its ages are as of the write,
+which its description states; ``python -m flows.fleet status`` reads the
+records live.
 """
 
 from __future__ import annotations
@@ -24,10 +34,11 @@ import json
 import logging
 import re
 import threading
+import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from storage.catalog.nodes import NodeRecord, scan_node_records
+from storage.catalog.nodes import NodeRecord, nodes_url, scan_node_records, stale_after_s
 from storage.objects.store import ObjectStore
 from storage.settings import ObjectStoreSettings
 
@@ -72,15 +83,20 @@ def describe(model: str, rows: list[dict], *, by: str | None = None) -> str:
     return f"fleet of {model} as of {when}{f' (written by node {by})' if by else ''}: {tally}"[:2000]
 
 
+def read_fleet_rows(catalog: str, model: str, *, storage: ObjectStoreSettings | None = None) -> list[dict]:
+    """Every node record of ``model`` (one listing, then each record) as the table's rows. Storage errors raise."""
+    scan = scan_node_records(ObjectStore.shared(storage), catalog, model)
+    return fleet_rows(scan.records, unreadable={node: scan.errors[node] for node in scan.unreadable})
+
+
 def write_fleet_table(catalog: str, model: str, *, storage: ObjectStoreSettings | None = None,
-                      by: str | None = None, client=None) -> list[dict]:
-    """Read every node record of ``model`` (one listing) and write the ``fleet-<model>`` table artifact through
-    the Prefect API (``client``: a sync Prefect client; default, one for this call); returns the rows. Storage
-    or API errors raise."""
+                      by: str | None = None, client=None, rows: list[dict] | None = None) -> list[dict]:
+    """Write the ``fleet-<model>`` table artifact of ``rows`` (default: ``read_fleet_rows``) through the Prefect
+    API (``client``: a sync Prefect client; default, one for this call); returns the rows. Storage or API errors
+    raise."""
     from prefect.client.schemas.actions import ArtifactCreate
 
-    scan = scan_node_records(ObjectStore.shared(storage), catalog, model)
-    rows = fleet_rows(scan.records, unreadable={node: scan.errors[node] for node in scan.unreadable})
+    rows = read_fleet_rows(catalog, model, storage=storage) if rows is None else rows
     artifact = ArtifactCreate(key=fleet_table_key(model), type="table", description=describe(model, rows, by=by),
                               data=json.dumps(rows))  # as Prefect's own table artifacts: the rows as JSON text
     if client is not None:
@@ -93,6 +109,18 @@ def write_fleet_table(catalog: str, model: str, *, storage: ObjectStoreSettings 
     return rows
 
 
+def fleet_keeper(catalog: str, model: str, node: str, *, window_s: float,
+                 storage: ObjectStoreSettings | None = None) -> str:
+    """The node that writes ``model``'s fleet table: the smallest name among ``node`` and the nodes whose record
+    object was modified within ``window_s`` seconds, found by ONE listing of the records' prefix (no record is
+    read). Storage errors raise."""
+    now = time.time()
+    live = {name.removesuffix(".json") for name, _size, modified in
+            ObjectStore.shared(storage).walk(nodes_url(catalog, model))
+            if name.endswith(".json") and "/" not in name and now - modified <= window_s}
+    return min(live | {node})
+
+
 STATE_COLUMNS = ("condition", "version", "store_version", "last_run", "engines")  # what a change of state is
 
 
@@ -101,23 +129,33 @@ def _state_of(row: dict) -> tuple:
     return tuple(row[column] for column in STATE_COLUMNS)
 
 
+def _table_state(rows: list[dict]) -> tuple:
+    return tuple((row["node"], *_state_of(row)) for row in rows)
+
+
 class FleetTable:
     """Keeps ``model``'s fleet table current from a node agent's process.
 
-    ``changed(record)`` (the heartbeat's record of this node) asks for a
-    rewrite when the record's state differs from the last one seen;
-    ``settled()`` asks for one unconditionally (a refit ended). Requests are
-    served by a daemon thread, one write at a time, several requests made
-    during a write coalesced into one. ``beat(heartbeat)`` wraps an agent's
-    heartbeat callable so each beat reports its record here.
+    Each beat of this node (``changed(record)``) and each refit that ended
+    (``settled()``) asks for an update; a daemon thread serves the requests,
+    one at a time, several requests made during one coalesced. An update lists
+    the records' prefix once (``fleet_keeper``); unless this node is the
+    keeper it stops there (``skips``); the keeper reads the records and
+    rewrites the table when a row changed state since its last write
+    (``writes``). ``beat(heartbeat)`` wraps an agent's heartbeat callable so
+    each beat reports here. ``heartbeat_s`` (the fleet's beat) sets the
+    window in which a record counts as live: one beat plus its grace.
     """
 
     def __init__(self, catalog: str, model: str, *, node: str | None = None,
-                 storage: ObjectStoreSettings | None = None):
+                 storage: ObjectStoreSettings | None = None, heartbeat_s: float = 30.0):
         self.catalog, self.model, self.node, self.storage = catalog, model, node, storage
+        self.window_s = stale_after_s(heartbeat_s)
         self.writes = 0  # tables written by this process
-        self.failures = 0  # writes that failed (storage or the API down): the next request tries again
-        self._last: tuple | None = None
+        self.skips = 0  # updates that found another node the keeper (one listing, no record read)
+        self.failures = 0  # updates that failed (storage or the API down): the next request tries again
+        self.keeper: bool | None = None  # whether this node was the keeper at its last update
+        self._written: tuple | None = None  # the rows' states of the last table this process wrote
         self._wanted = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
@@ -126,18 +164,12 @@ class FleetTable:
         self._client = None
 
     def changed(self, record: NodeRecord | None) -> None:
-        """A heartbeat's record of this node: rewrite the table if its state changed (None: nothing known)."""
-        if record is None:
-            return
-        state = _state_of(fleet_rows([record])[0])
-        with self._lock:
-            if state == self._last:
-                return
-            self._last = state
+        """A heartbeat of this node (its record, None if none could be written): update the table (the keeper
+        rewrites it if a row changed; another node only lists)."""
         self.request()
 
     def settled(self) -> None:
-        """A refit of this node ended: rewrite the table (the next beat compares against the row it wrote)."""
+        """A refit of this node ended: update the table."""
         self.request()
 
     def request(self) -> None:
@@ -149,7 +181,7 @@ class FleetTable:
                 self._thread.start()
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every request made so far was served (written, or failed); False on timeout."""
+        """Wait until every request made so far was served (written, skipped, or failed); False on timeout."""
         return self._idle.wait(timeout_s)
 
     def beat(self, heartbeat: Callable[[bool], Any]) -> "TableHeartbeat":
@@ -160,28 +192,39 @@ class FleetTable:
             self._wanted.wait()
             self._wanted.clear()
             try:
-                self._write()
-                self.writes += 1
+                self._update()
             except Exception as exc:  # storage or the API down: the table is a view, the next request retries
                 self.failures += 1
                 self._close_client()
-                (log.warning if self.failures == 1 else log.debug)("could not write the fleet table of %s: %s",
+                (log.warning if self.failures == 1 else log.debug)("could not update the fleet table of %s: %s",
                                                                     self.model, exc)
             with self._lock:
                 if not self._wanted.is_set():
                     self._idle.set()
 
-    def _write(self) -> None:
+    def _update(self) -> None:
+        """One update: list; as the keeper, read the records and write the table if a row changed state."""
+        node = self.node or ""
+        self.keeper = fleet_keeper(self.catalog, self.model, node, window_s=self.window_s,
+                                   storage=self.storage) == node
+        if not self.keeper:
+            self.skips += 1
+            self._written = None  # keeper again later: its first update writes
+            return
+        rows = read_fleet_rows(self.catalog, self.model, storage=self.storage)
+        if _table_state(rows) == self._written:
+            return
+        self._write(rows)
+        self._written = _table_state(rows)
+        self.writes += 1
+
+    def _write(self, rows: list[dict]) -> None:
         if self._client is None:
             from prefect.client.orchestration import get_client
 
             self._client = get_client(sync_client=True)
             self._client.__enter__()
-        rows = write_fleet_table(self.catalog, self.model, storage=self.storage, by=self.node, client=self._client)
-        mine = next((row for row in rows if row["node"] == self.node), None)
-        if mine is not None:
-            with self._lock:
-                self._last = _state_of(mine)
+        write_fleet_table(self.catalog, self.model, by=self.node, client=self._client, rows=rows)
 
     def _close_client(self) -> None:
         client, self._client = self._client, None

@@ -203,9 +203,11 @@ class Due(NamedTuple):
 class HeadWatch:
     """The agent's level check against the catalog: is the catalog's head newer than what this node runs?
 
-    ``due()`` reads the head (``Catalog.head()``: a few requests on a flat
+    ``due(heard)`` reads the head (``Catalog.head()``: a few requests on a flat
     catalog), what the store installed, and this node's record, and returns
-    ``(head version, why)`` when a refit to latest should run now, else None:
+    ``(desired version, why)`` when a refit to it should run now, else None;
+    the desired version is the newest of the head and the versions ``heard``
+    on published events:
 
     * the head is newer than the installed version (a publication whose
       event was lost, or made while the agent was down), unless this node's
@@ -248,8 +250,14 @@ class HeadWatch:
         record = self.catalog.head()
         return None if record is None else (record.version, record.sequence)
 
-    def due(self) -> "Due | None":
+    def due(self, heard: list[str] | tuple[str, ...] = ()) -> "Due | None":
+        """The refit the node needs now for the desired version: the newest of the catalog's head and the
+        versions ``heard`` on published events (one the catalog cannot place is not desired); None if none."""
         head = self.head()
+        for version in heard:
+            sequence = self.sequence_of(version)
+            if sequence is not None and (head is None or sequence > head[1]):
+                head = (version, sequence)
         if head is None:
             return None
         version, sequence = head

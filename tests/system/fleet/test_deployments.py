@@ -19,7 +19,7 @@ from uuid import uuid4
 import pytest
 import yaml
 
-from deployments.serve import EVENT, build_deployments, main, parse_args, resource_id
+from deployments.serve import EVENT, build_deployments, main, on_publish_trigger, parse_args, resource_id
 from storage.settings import RefitParams
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -60,8 +60,9 @@ def test_serve_builds_three_deployments_from_the_cli_settings():
     assert latest.schedules[0].schedule.interval == timedelta(minutes=10)  # the configured schedule
     assert latest.parameters == {"params": {**CONFIGURED, "node": "GPU_3", "target": "latest",
                                             "only_if_newer": True}}
-    assert not on_publish.schedules and not latest.triggers
-    (trigger,) = on_publish.triggers
+    # no server automation: the agent's reconcile loop creates refit-on-publish's runs (prefect.yaml keeps the trigger)
+    assert not on_publish.schedules and not latest.triggers and not on_publish.triggers
+    trigger = on_publish_trigger(params, settings.suffix_for(params.node))
     assert trigger.expect == {EVENT}
     assert trigger.parameters == {"params": {**CONFIGURED, "node": "GPU_3", "target": TEMPLATE, "only_if_newer": True}}
     rendered = RefitParams.model_validate(as_event(trigger.parameters["params"], "r7"))
@@ -71,7 +72,7 @@ def test_serve_builds_three_deployments_from_the_cli_settings():
 
 def test_the_trigger_fires_for_the_configured_model_only():
     params, settings, _ = parse_args(FLAGS)
-    (trigger,) = build_deployments(params, settings)[1].triggers
+    trigger = on_publish_trigger(params)  # prefect.yaml's, for a stock worker
 
     assert covers(trigger, EVENT, resource_id("org/name", "r7"))
     assert covers(trigger, EVENT, resource_id("org/name", "step-100.final"))
@@ -91,7 +92,7 @@ def test_the_environment_fills_in_what_the_flags_do_not_give(monkeypatch):
     assert [d.name for d in deployments] == ["refit-latest-gpu3", "refit-on-publish-gpu3"]  # no publish by default
     assert deployments[0].schedules[0].schedule.interval == timedelta(minutes=2)
     assert deployments[0].parameters["params"]["catalog"] == "s3://bucket/catalog"
-    (trigger,) = deployments[1].triggers
+    trigger = on_publish_trigger(params)
     assert covers(trigger, EVENT, resource_id("org/flag", "r1"))
     assert not covers(trigger, EVENT, resource_id("org/from-env", "r1"))
 
@@ -101,7 +102,7 @@ def test_secrets_stay_in_the_environment(monkeypatch):
     params, settings, _ = parse_args(FLAGS + ["--installer", "sglang", "--engine-url", "http://127.0.0.1:30000"])
     latest, on_publish = build_deployments(params, settings)
 
-    stored = json.dumps([latest.parameters, on_publish.triggers[0].parameters])
+    stored = json.dumps([latest.parameters, on_publish.parameters, on_publish_trigger(params).parameters])
     assert "not-in-the-database" not in stored
     installer = latest.parameters["params"]["installer"]
     assert installer == {"kind": "sglang", "engine_urls": ["http://127.0.0.1:30000"]}
@@ -114,6 +115,17 @@ def test_print_params_gives_the_parameters_of_a_hand_triggered_refit(capsys):
     printed = json.loads(capsys.readouterr().out)
     assert printed == {"params": {**CONFIGURED, "target": "r3", "only_if_newer": False}}  # a rollback is allowed
     assert RefitParams.model_validate(printed["params"]).target == "r3"
+
+
+@pytest.mark.parametrize("fan_out", ["automation", "agent"])
+def test_the_fan_out_flag_still_parses_and_automation_says_what_replaced_it(fan_out, capsys):
+    params, settings, _ = parse_args(FLAGS + ["--fan-out", fan_out])
+    warned = capsys.readouterr().err
+    assert [d.triggers for d in build_deployments(params, settings)] == [[], []]  # one path either way
+    if fan_out == "agent":
+        assert warned == ""
+    else:
+        assert "--fan-out automation is deprecated" in warned and "reconcile loop" in warned
 
 
 def test_bad_settings_are_a_usage_error(capsys):
@@ -167,8 +179,8 @@ def test_prefect_yaml_defines_what_serve_defines(monkeypatch):
     assert config["refit-latest-gpu3"]["parameters"] == latest.parameters
     assert config["refit-latest-gpu3"]["schedules"] == [{"interval": settings.interval_s}]
     assert config["refit-on-publish-gpu3"]["parameters"] == on_publish.parameters
-    (spec,) = config["refit-on-publish-gpu3"]["triggers"]
-    (trigger,) = on_publish.triggers
+    (spec,) = config["refit-on-publish-gpu3"]["triggers"]  # a stock worker has no agent: the server's trigger
+    trigger = on_publish_trigger(params, settings.suffix_for(params.node))
     assert (spec["name"], set(spec["expect"])) == (trigger.name, trigger.expect)
     assert spec["match"] == trigger.match.model_dump() == {"prefect.resource.id": resource_id("org/name", "*")}
     assert spec["parameters"] == trigger.parameters  # the event template is left for the server

@@ -1,22 +1,24 @@
 """The fleet table artifact: node -> version -> condition -> engines, and each node's last sign of life.
 
 The rows come from the nodes' status records (``flows.fleet_table.fleet_rows``);
-a node agent's heartbeat rewrites the ``fleet-<model>`` table artifact when its
-node's record changes state, and the agent asks for a rewrite after each refit
-(``FleetTable``). Read back through the Prefect client from the session's
+one node agent at a time, the keeper (the smallest live name, found by one
+listing), rewrites the ``fleet-<model>`` table artifact when a row changed
+state, at its beats and after each refit (``FleetTable``); the others only list. Read back through the Prefect client from the session's
 Prefect API, as the UI reads it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import replace
 
 from flows import node_report
 from flows.fleet_table import FleetTable, TableHeartbeat, fleet_rows, fleet_table_key
-from storage.catalog.nodes import NodeRecord
+from storage.catalog.nodes import NodeRecord, nodes_url, write_node_record
+from storage.objects.store import ObjectStore
 from tasks.installers.base import EngineReport, NoEngineInstaller
 
 ENGINE = "http://127.0.0.1:30000"
@@ -126,12 +128,12 @@ def test_a_table_that_cannot_be_written_never_holds_the_heartbeat(lab, monkeypat
     the next change tries again."""
     entered, release = threading.Event(), threading.Event()
 
-    def stuck(self):  # an API that does not answer, then answers with an error
+    def stuck(self):  # storage or an API that does not answer, then an error
         entered.set()
         release.wait(30)
         raise ConnectionError("the Prefect API does not answer")
 
-    monkeypatch.setattr(FleetTable, "_write", stuck)
+    monkeypatch.setattr(FleetTable, "_update", stuck)
     table = FleetTable(lab.catalog, lab.model, node="gpu1")
     beat = table.beat(lambda busy: record("gpu1", model=lab.model))
     assert beat(False).node == "gpu1"  # returned while the write hangs
@@ -188,3 +190,50 @@ def test_a_node_agent_keeps_the_fleet_table_current(flow_lab):
         stop.stop("test over")
         thread.join(60)
     assert not thread.is_alive()
+
+
+def test_only_the_keeper_reads_the_records_and_writes_the_table(flow_lab, monkeypatch):
+    """Four nodes' records; each node's table updates once: the smallest live name (gpu1) reads the four records and
+    writes one table, correct for all four; the others list once each and read no record. Once gpu1's record has
+    aged out of the live window (its agent died), gpu2 is the keeper and its table shows gpu1 STALE."""
+    import storage.catalog.nodes as nodes
+
+    lab = flow_lab
+    objects = ObjectStore.shared(None)
+    for name in ("gpu3", "gpu1", "gpu4", "gpu2"):
+        write_node_record(objects, lab.catalog, record(name, model=lab.model))
+    reads, lists = [], []
+    real_scan, real_walk = nodes.scan_node_records, ObjectStore.walk
+    monkeypatch.setattr("flows.fleet_table.scan_node_records",
+                        lambda *a, **kw: reads.append(1) or real_scan(*a, **kw))
+    monkeypatch.setattr(ObjectStore, "walk", lambda self, url: lists.append(url) or real_walk(self, url))
+    tables = {name: FleetTable(lab.catalog, lab.model, node=name, heartbeat_s=2.0)
+              for name in ("gpu4", "gpu3", "gpu2", "gpu1")}
+    before = len(table_versions(lab.model))  # the session's API may hold tables of this model from other tests
+    for table in tables.values():
+        table.request()
+        assert table.flush(60) and table.failures == 0
+    assert [name for name, t in tables.items() if t.writes] == ["gpu1"] and tables["gpu1"].keeper
+    assert [t.skips for t in tables.values()] == [1, 1, 1, 0]
+    assert len(lists) == 4 and len(reads) == 1  # one listing per node; the records read once, by the keeper
+    (rows,) = table_versions(lab.model)[before:]
+    assert [(r["node"], r["version"], r["condition"]) for r in rows] == [
+        (name, "r2", "READY") for name in ("gpu1", "gpu2", "gpu3", "gpu4")]
+
+    tables["gpu1"].request()  # nothing changed: the keeper reads, and writes no new version
+    assert tables["gpu1"].flush(60) and len(table_versions(lab.model)) == before + 1
+
+    # gpu1's agent died: its record (last beat 100 s ago) is out of the window; gpu2 takes over
+    old = time.time() - 100
+    write_node_record(objects, lab.catalog, record("gpu1", model=lab.model, alive_at_unix_ms=int(old * 1000),
+                                                   updated_at_unix_ms=int(old * 1000)))
+    os.utime(nodes_url(lab.catalog, lab.model).removeprefix("file://") + "/gpu1.json", (old, old))
+    for table in tables.values():
+        if table.node != "gpu1":
+            table.request()
+            assert table.flush(60)
+    assert [name for name, t in tables.items() if t.writes] == ["gpu2", "gpu1"] and tables["gpu2"].keeper
+    assert len(table_versions(lab.model)) == before + 2
+    rows = table_versions(lab.model)[-1]
+    assert [(r["node"], r["condition"]) for r in rows] == [
+        ("gpu1", "STALE"), ("gpu2", "READY"), ("gpu3", "READY"), ("gpu4", "READY")]
