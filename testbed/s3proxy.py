@@ -33,6 +33,7 @@ import argparse
 import http.client
 import random
 import signal
+import logging
 import socket
 import struct
 import sys
@@ -48,6 +49,7 @@ FAULT_KINDS = ("slowdown", "error500", "reset", "stall", "truncate")
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                "upgrade", "expect", "host"}
 _CHUNK = 256 * 2**10
+log = logging.getLogger("canonical_refit.testbed.s3proxy")
 
 
 @dataclass
@@ -102,6 +104,15 @@ def peak_open(requests: list[Request]) -> int:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # many connections open at once; the default backlog of 5 drops SYNs
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that hung up (a reset or a broken pipe: the faults this proxy injects, a killed agent) is
+        logged at debug; anything else as socketserver does (its traceback on stderr)."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            log.debug("client %s hung up: %s", client_address, error)
+            return
+        super().handle_error(request, client_address)
 
 
 @dataclass

@@ -218,3 +218,28 @@ def test_the_agent_retries_a_refit_that_failed_on_storage_and_gets_there_once_st
             assert "after a storage failure" in node.log.read_text()
         finally:
             fleet.stop_all()
+
+
+def test_the_proxy_logs_a_client_that_hung_up_at_debug_and_keeps_other_tracebacks(capsys):
+    """A reset or broken pipe (the proxy's own faults, a killed agent) is a debug line of the proxy's logger, not a
+    traceback on stderr; any other error in a request is still printed as socketserver prints it."""
+    from testbed.s3proxy import _Server
+    from tests.support.logs import emitted
+
+    server = _Server(("127.0.0.1", 0), None)
+    try:
+        with emitted("canonical_refit.testbed.s3proxy") as records:
+            for error in (ConnectionResetError(104, "Connection reset by peer"), BrokenPipeError(32, "Broken pipe")):
+                try:
+                    raise error
+                except OSError:
+                    server.handle_error(None, ("127.0.0.1", 40000))
+        assert capsys.readouterr().err == ""
+        assert [(r.levelname, "hung up" in r.getMessage()) for r in records] == [("DEBUG", True)] * 2
+        try:
+            raise ValueError("a bug in the proxy")
+        except ValueError:
+            server.handle_error(None, ("127.0.0.1", 40000))
+        assert "ValueError: a bug in the proxy" in capsys.readouterr().err
+    finally:
+        server.server_close()
