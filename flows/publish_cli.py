@@ -13,7 +13,6 @@ import json
 from dataclasses import asdict, replace
 
 from flows.options import add_flags, build, error_as_flags, flags, given, parse
-from storage.catalog.records import Catalog
 from storage.errors import RefitError
 from storage.settings import PublishParams
 from storage.urls import join_url, parent_url
@@ -47,6 +46,7 @@ def cli_error(exc: RefitError) -> str:
 def orphans_main(argv: list[str]) -> int:
     """``python -m flows.publish orphans``: list (or ``--delete``) payloads no record references."""
     from storage.catalog.orphans import find_orphans
+    from storage.catalog.records import Catalog
     from storage.objects.store import ObjectStore
     from storage.settings import ObjectStoreSettings
 
