@@ -2,7 +2,7 @@
 
     python -m benchmarks.fleet --nodes 8
     python -m benchmarks.fleet --quick          # 3 nodes, a tiny model, 2 publications
-    python -m benchmarks.fleet --sweep 8,16,32,64 --model tiny --fan-out agent [--scaled 2]
+    python -m benchmarks.fleet --sweep 8,16,32,64 --model tiny [--scaled 2]
 
 Starts a Prefect server on a fresh PostgreSQL database (dropped after), moto
 S3, and N ``python -m deployments.serve --node nodeK`` agents, each with its
@@ -57,9 +57,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scaled", type=int, default=0, metavar="APIS",
                    help="scale the server out as Prefect documents: this many API processes, the background "
                         "services in a process of their own, Redis messaging (0: one server process)")
-    p.add_argument("--fan-out", choices=("automation", "agent"), default="automation",
-                   help="who turns a publication into each node's run: a server automation per node, or each agent "
-                        "(deployments.serve --fan-out)")
     p.add_argument("--sweep", default="", metavar="N,N,...",
                    help="run the fleet once per node count (e.g. 8,16,32,64), each on a fresh server, and print "
                         "every goal per count and whether the server's CPU per refit stays flat")
@@ -94,8 +91,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         log(f"sweep: {nodes} nodes")  # keeps the first API it reached for the life of its process)
         out = root / f"fleet-{nodes}.json"
         argv = ["--nodes", str(nodes), "--publications", str(args.publications), "--idle-seconds",
-                str(args.idle_seconds), "--model", args.model, "--scaled", str(args.scaled), "--fan-out",
-                args.fan_out, "--json", str(out)]
+                str(args.idle_seconds), "--model", args.model, "--scaled", str(args.scaled), "--json", str(out)]
         if args.poll_seconds is not None:
             argv += ["--poll-seconds", str(args.poll_seconds)]
         subprocess.run([sys.executable, "-m", "benchmarks.fleet", *argv], check=True, cwd=ROOT)
@@ -107,11 +103,10 @@ def run_fleet(args: argparse.Namespace, root: Path) -> dict:
     shape, share = model_of(args.model)
     names = [f"node{k + 1}" for k in range(args.nodes)]
     result: dict = {"schema": SCHEMA, "machine": machine(), "nodes": args.nodes, "model": args.model,
-                    "fan_out": args.fan_out,
+                    "fan_out": "agent",  # the one path: each agent's reconcile loop (no server automation)
                     "model_bytes": shape.nbytes, "load_average_start": load_average()}
     result["scaled_api_processes"] = args.scaled
-    with FleetLab(root, poll_s=args.poll_seconds, shape=shape, share=share, log=log, scaled=args.scaled,
-                  serve_args=("--fan-out", args.fan_out)) as lab:
+    with FleetLab(root, poll_s=args.poll_seconds, shape=shape, share=share, log=log, scaled=args.scaled) as lab:
         result["server_startup_s"] = round(lab.server.startup_s, 1) if lab.server else None
         log(f"server alone, idle {args.idle_seconds:.0f}s")
         result["idle_server_alone"] = lab.idle(args.idle_seconds)
@@ -207,12 +202,12 @@ def table(r: dict) -> str:
     lines = [f"fleet: {r['nodes']} nodes, model {r['model']} ({r['model_bytes'] / 1e6:.0f} MB), deltas "
              f"{', '.join(f'{b / 1e6:.2f}' for b in s['payload_bytes'])} MB, poll {r['poll_s'] or 'default'} s; "
              f"load average {r['load_average_start']} -> {r['load_average_end']}; fan-out by "
-             f"{'the agents' if r.get('fan_out') == 'agent' else 'a server automation per node'}",
+             f"{'the agents' if r.get('fan_out', 'agent') == 'agent' else 'a server automation per node'}",
              f"{'publish -> all Ready':<44}p50 {s['publish_to_all_ready_s']['p50']:.2f} s   max "
              f"{s['publish_to_all_ready_s']['max']:.2f} s",
              f"{'event -> all Ready':<44}p50 {s['event_to_all_ready_s']['p50']:.2f} s   max "
              f"{s['event_to_all_ready_s']['max']:.2f} s",
-             f"{'event -> flow run created (fan-out)':<44}p50 {s['event_to_run_created_s']['p50']:.2f} s   max "
+             f"{'event -> flow run created (agent loop)':<44}p50 {s['event_to_run_created_s']['p50']:.2f} s   max "
              f"{s['event_to_run_created_s']['max']:.2f} s",
              f"{'event -> run start, per node':<44}p50 {s['event_to_run_start_s']['p50']:.2f} s   max "
              f"{s['event_to_run_start_s']['max']:.2f} s",

@@ -72,7 +72,7 @@ class FleetLab:
                  scaled: int = 0, serve_args: tuple[str, ...] = (), auth_string: str | None = None):
         self.root = Path(root)
         self.auth_string = auth_string  # Prefect's basic authentication on the server and every client
-        self.serve_args = tuple(serve_args)  # more flags of every node's deployments.serve (e.g. --fan-out agent)
+        self.serve_args = tuple(serve_args)  # more flags of every node's deployments.serve (e.g. --head-poll-seconds 5)
         self.scaled = scaled  # API processes of a scaled-out server (Redis messaging, services apart); 0: one server
         self.poll_s, self.shape, self.share, self.log = poll_s, shape, share, log
         self.external_api = api_url
