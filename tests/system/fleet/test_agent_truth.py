@@ -12,8 +12,8 @@
 * ``python -m deployments.serve`` told to stop (SIGTERM) while its Prefect
   API does not answer exits, well before the test's bounded wait returns.
 * On a Prefect server: a publication whose event is lost reaches the node
-  by the agent's head check, and two publications queued while the agent
-  was down run one refit (the older run ends Skipped, superseded).
+  by the agent's head check, and two publications made while the agent
+  was down make no run until it starts again, then one refit, to the newest.
 """
 
 from __future__ import annotations
@@ -223,28 +223,29 @@ def test_a_lost_publication_reaches_the_node_by_its_head_check_and_a_burst_runs_
         (run,) = fleet.final_runs("truth", "r0")
         assert run.state_name == "Ready", run.state.message
 
-        # a publication whose event never reached the server (--no-event: the event is lost): no
-        # refit-on-publish run is ever created, the interval is an hour, and the agent's head check moves it
+        # a publication whose event never reached the server (--no-event: the event is lost): the interval is an
+        # hour, and the agent's head check finds the catalog's head newer than the installed version: one run
         since = datetime.now(timezone.utc)
         assert fleet.publish("delta", "--no-event")["version"] == "r1"
-        (caught_up,) = fleet.final_runs("truth", "latest", which=("latest",), since=since)
+        (caught_up,) = fleet.final_runs("truth", "r1", since=since)
         assert caught_up.state_name == "Ready" and caught_up.state.message.startswith("r1 "), caught_up.state
         assert node.active_version() == "r1"
-        assert [r for r in fleet.runs("truth", ("on_publish",)) if r.created > since] == []
+        assert [r for r in fleet.runs("truth", ("latest",)) if r.created > since and r.start_time] == []
         # the run names the node, and carries its tag (the UI's filter for one node's runs)
         assert caught_up.name == f"refit truth: {MODEL} r0 -> r1" and "node:truth" in caught_up.tags
         assert "the catalog's head is r1, the node runs r0" in node.log.read_text()
+        assert "heard that r1 was published" not in node.log.read_text()
 
-        # two publications made while the agent is down: both events create a run, the node runs one refit
+        # two publications made while the agent is down: no run is created for either (no server automation);
+        # started again, the node runs one refit, to the newest (its start-up refit to latest)
         node.stop()
         since = datetime.now(timezone.utc)
         assert [fleet.publish("delta")["version"] for _ in range(2)] == ["r2", "r3"]
+        assert [r for r in fleet.runs("truth") if r.created > since and r.start_time] == []
         node.start()
-        older, = fleet.final_runs("truth", "r2", since=since)
-        newest, = fleet.final_runs("truth", "r3", since=since)
-        assert newest.state_name == "Ready", newest.state.message
-        assert older.state_name == "Skipped" and "superseded by a newer version" in older.state.message
-        assert older.run_count == 0  # never entered Running: no refit to r2 was done
+        (startup,) = fleet.final_runs("truth", "latest", which=("latest",), since=since)
+        assert startup.state_name == "Ready" and startup.state.message.startswith("r3 "), startup.state
         assert node.active_version() == "r3"
+        assert [r.name for r in fleet.runs("truth", ("on_publish",)) if r.created > since] == []
     finally:
         fleet.stop_all()
