@@ -52,11 +52,10 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from deployments.pinning import MAY_BE_OPENED, RefitPins, publish_pins
 from flows.options import add_flags, build, field_errors, flags, given, with_values
-from storage.settings import RefitParams
+from storage.settings import RefitParams, Settings, settings_config
 
 log = logging.getLogger("canonical_refit.serve")
 EVENT = "canonical-refit.revision.published"  # flows.publish.EVENT, without importing Prefect here
@@ -67,10 +66,10 @@ FAN_OUT_DEPRECATED = ("warning: --fan-out automation is deprecated and has no ef
                       "created; drop the flag (docs/fleet.md)")
 
 
-class ServeSettings(BaseSettings):
+class ServeSettings(Settings):
     """How the deployments are served (env prefix ``CANONICAL_REFIT_SERVE_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_SERVE_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_SERVE_")
 
     interval_s: float = Field(3600.0, gt=0, description="seconds between scheduled refits to 'latest'",
                               json_schema_extra={"flag": "--interval"})
