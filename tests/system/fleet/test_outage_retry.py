@@ -234,12 +234,15 @@ def test_the_proxy_logs_a_client_that_hung_up_at_debug_and_keeps_other_traceback
                     raise error
                 except OSError:
                     server.handle_error(None, ("127.0.0.1", 40000))
-        assert capsys.readouterr().err == ""
+        # socketserver's own report is absent (a handler another test left on a parent logger may print its own
+        # complaints here: not the proxy's)
+        assert "Exception occurred during processing of request" not in capsys.readouterr().err
         assert [(r.levelname, "hung up" in r.getMessage()) for r in records] == [("DEBUG", True)] * 2
         try:
             raise ValueError("a bug in the proxy")
         except ValueError:
             server.handle_error(None, ("127.0.0.1", 40000))
-        assert "ValueError: a bug in the proxy" in capsys.readouterr().err
+        printed = capsys.readouterr().err
+        assert "Exception occurred during processing of request" in printed and "ValueError: a bug" in printed
     finally:
         server.server_close()
