@@ -61,7 +61,8 @@ def _sub_parser(command: str) -> argparse.ArgumentParser:
     }
     parser = argparse.ArgumentParser(prog=f"python -m flows.refit {command}", description=helps[command])
     add_flags(parser, RecoverParams, RECOVER_FLAGS if command == "recover" else ACTIVATE_FLAGS)
-    parser.add_argument("--catalog", help="not needed here (accepted so a refit's flags can be reused)")
+    if command != "recover":  # recover's own --catalog and --node say where the node's record is rewritten
+        parser.add_argument("--catalog", help="not needed here (accepted so a refit's flags can be reused)")
     if command == "activate":
         parser.add_argument("--version", required=True, help="the installed version to activate")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result.to_json(), sort_keys=True), flush=True)
     else:
-        print_result(result)
+        print_result(result, REFIT_FLAGS)  # the error's fields as this command's flags
         sys.stdout.flush()
     if not abandoned():
         from storage.store.flush import wait_for_flushes
@@ -224,7 +225,9 @@ def _recover(args) -> int:
             print(f"repaired: {repair}")
         print(f"recover: {result.detail}")
     else:
-        print(f"{result.status}: {result.error}")
+        from flows.options import as_flags
+
+        print(f"{result.status}: {as_flags(result.error or '', RECOVER_FLAGS)}")
     return result.exit_code
 
 

@@ -23,7 +23,6 @@ from flows.report import (
 from storage.errors import Interrupted, RefitError
 from storage.retry import transient
 from storage.settings import RefitParams
-from tasks.install import recover_command
 from tasks.receiver import Receiver
 
 if TYPE_CHECKING:  # Prefect is imported by final_state only: the outcome is built without it
@@ -73,8 +72,10 @@ def next_step(rx: Receiver, status: Status, error: BaseException | None) -> str 
         return next_step_after_interrupt(params)
     if status == READY and not rx.params.activate:
         current = rx.store.current()
+        installer = f" --installer {_quoted(params.installer.kind)}" if params.installer.kind != "none" else ""
         return (f"python -m flows.refit activate --model {_quoted(params.model)} --cache-dir "
-                f"{_quoted(params.cache_dir)} --version {_quoted(current.version if current else params.target)}")
+                f"{_quoted(params.cache_dir)} --version {_quoted(current.version if current else params.target)}"
+                + installer)
     if status == FAILED and error is not None:
         local = getattr(error, "local_file", None)
         if isinstance(error, RefitError) and getattr(error, "discarded", False):
@@ -92,27 +93,47 @@ def next_step_after_interrupt(params: RefitParams) -> str:
 # the options a repeated refit carries when the run had them: (field path, its flag, as the field defines it:
 # flows/options.py); a boolean's flag is given when the run had the value the flag sets. The node, catalog,
 # model, store and target are always given.
-def _flagged(*paths: str) -> tuple[tuple[str, str], ...]:
+def _flagged(*paths: str, model=RefitParams) -> tuple[tuple[str, str], ...]:
     from flows.options import flag_of
 
-    return tuple((path, flag_of(RefitParams, path).option()) for path in paths)
+    return tuple((path, flag_of(model, path).option()) for path in paths)
 
 
 _ALWAYS = _flagged("catalog", "model", "node", "cache_dir", "target")
-_WHEN_SET = _flagged("seed_checkpoint", "initial_version", "installer.kind", "installer.engine_urls",
+_WHEN_SET = _flagged("seed_checkpoint", "seed_links", "initial_version", "installer.kind", "installer.engine_urls",
                      "storage.endpoint_url", "cache_max_gb", "verify", "only_if_newer", "activate", "lock_timeout_s",
-                     "apply_workers", "storage.concurrency", "retries", "retry_delay_s", "stage_retries",
-                     "stage_retry_delay_s", "trusted_keys")
+                     "apply_workers", "storage.concurrency", "retries", "retry_delay_s", "trusted_keys")
 REPEATED_OPTIONS = _ALWAYS + _WHEN_SET  # every flag of python -m flows.refit (tests/system/test_next_lines.py checks)
+# deprecated flags that do nothing (a stage runs once: storage/retry.py): still parsed, never printed
+NOT_REPEATED = ("stage_retries", "stage_retry_delay_s")
 
 
 def refit_command(params: RefitParams) -> str:
     """The CLI command that repeats this refit on this node: its identity and every option it had that is not
     the default (see the module)."""
-    parts = ["python -m flows.refit"]
-    for path, flag in _ALWAYS:
+    return _command("python -m flows.refit", params, _ALWAYS, _WHEN_SET)
+
+
+def _recover_flagged(*paths: str) -> tuple[tuple[str, str], ...]:
+    from storage.settings import RecoverParams
+
+    return _flagged(*paths, model=RecoverParams)
+
+
+def recover_command(params: RefitParams) -> str:
+    """The command that recovers this node as printed after a poisoned run: the node's store, and its identity
+    in the fleet (``--catalog``, ``--node``, the S3 endpoint) so the recovery rewrites that node's status
+    record at once. The installer is the one recorded in the poisoned mark: not repeated."""
+    return _command("python -m flows.refit recover", params,
+                    _recover_flagged("model", "cache_dir", "catalog", "node"),
+                    _recover_flagged("storage.endpoint_url", "lock_timeout_s"))
+
+
+def _command(head: str, params, always, when_set) -> str:
+    parts = [head]
+    for path, flag in always:
         parts.append(f"{flag} {_quoted(_value(params, path))}")
-    for path, flag in _WHEN_SET:
+    for path, flag in when_set:
         if not _has(params, path):  # a setting this version does not have
             continue
         value, default = _value(params, path), _default(params, path)

@@ -6,11 +6,18 @@ verified checkpoint through the installer and engines recorded in
 ``poisoned.json``, and clears the mark only once that install succeeded and
 was activated. On a healthy node it repairs and says there was nothing to
 re-install. Asking for a different installer than the recorded one is
-refused unless ``override_installer`` says so explicitly.
+refused unless ``override_installer`` says so explicitly. Where the node's
+``catalog`` is given (and its ``node``, default the host name), a recovery
+that leaves it healthy rewrites the node's status record at once
+(``flows.node_report.refresh_node``): the fleet's ``wait`` and ``status``
+stop counting it poisoned without waiting for its agent's next heartbeat.
+Errors name the settings' fields (``cache_dir=``); the command line renders
+them as its flags.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field
 
 from storage.errors import InstallError, StoreError
@@ -18,6 +25,8 @@ from storage.format.status import FAILED, POISONED, READY, Status
 from storage.store.local_store import LocalStore
 from storage.settings import InstallerSettings, RecoverParams
 from tasks.installers import make_installer
+
+log = logging.getLogger("canonical_refit.recover")
 
 
 @dataclass
@@ -30,6 +39,7 @@ class RecoverResult:
     detail: str = ""
     repairs: list[str] = field(default_factory=list)
     error: str | None = None
+    node_record: str | None = None  # the node's status record as rewritten (its status), None if not rewritten
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -51,8 +61,8 @@ def choose_installer(mark, params: RecoverParams, installer=None):
     if given is not None and (given, urls) != recorded and not params.override_installer:
         raise InstallError(
             f"the node was poisoned through installer {mark.installer!r} with engines {list(mark.engine_urls)}; "
-            f"recovery re-installs through it. You asked for {given!r} with {list(urls)}: leave out --installer "
-            "and --engine-url to use the recorded one, or add --override-installer if the engines really moved",
+            f"recovery re-installs through it. You asked for {given!r} with {list(urls)}: leave out kind= "
+            "and engine_urls= to use the recorded one, or add override_installer=True if the engines really moved",
             revision=mark.version, field="installer")
     if installer is not None:
         return installer
@@ -60,7 +70,7 @@ def choose_installer(mark, params: RecoverParams, installer=None):
         return make_installer(params.installer)
     if mark.installer not in ("none", "sglang", "sglang-disk"):
         raise InstallError(f"the node was poisoned through installer {mark.installer!r}, which cannot be rebuilt "
-                           "from the command line; pass --installer and --engine-url with --override-installer",
+                           "from its name; pass kind= and engine_urls= with override_installer=True",
                            revision=mark.version, field="installer")
     return make_installer(InstallerSettings(kind=mark.installer, engine_urls=list(mark.engine_urls)))
 
@@ -70,7 +80,7 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
     store = LocalStore(params.cache_dir, params.model, create=False)
     if not store.exists:
         return RecoverResult(FAILED, None, error=f"no store for {params.model} under {params.cache_dir}: "
-                             "check --model and --cache-dir")
+                             "check model= and cache_dir=")
     try:
         with store.exclusive(params.lock_timeout_s, "recovery") as lock:
             repairs = store.recover()
@@ -98,9 +108,38 @@ def run_recover(params: RecoverParams, *, installer=None) -> RecoverResult:
     except (InstallError, StoreError) as exc:
         poisoned = store.poisoned() is not None
         return RecoverResult(POISONED if poisoned else FAILED, None, error=str(exc))
+    rewritten = rewrite_node_record(params, chosen)
     return RecoverResult(READY, record.version, receipt.installer,
                          detail=f"re-installed {record.version} through {receipt.installer} and cleared the "
-                                f"poisoned mark ({receipt.detail})", repairs=repairs)
+                                f"poisoned mark ({receipt.detail})"
+                                + (f"; the node's status record now says {rewritten}" if rewritten else ""),
+                         repairs=repairs, node_record=rewritten)
+
+
+def rewrite_node_record(params: RecoverParams, installer) -> str | None:
+    """After a recovery cleared the poisoned mark: this node's status record rewritten at once, as an idle
+    heartbeat would (the engines asked; ``READY`` once they confirm the installed version), when the node's
+    ``catalog`` is configured and the node already has a record there (a recovery never registers a node).
+    Returns the status written; None if none was (best effort: the recovery itself succeeded)."""
+    if not params.catalog:
+        return None
+    from flows.node_report import refresh_node
+    from storage.catalog.nodes import scan_node_records
+    from storage.errors import RefitError
+    from storage.objects.store import ObjectStore
+    from storage.settings import RefitParams, default_node_name
+
+    try:
+        refit = RefitParams(catalog=params.catalog, model=params.model, node=params.node or default_node_name(),
+                            cache_dir=params.cache_dir, storage=params.storage)
+        scan = scan_node_records(ObjectStore.shared(refit.storage), refit.catalog, refit.model, only=refit.node)
+        if not any(r.node == refit.node for r in scan.records):
+            return None
+        written = refresh_node(refit, installer)
+    except (RefitError, ValueError) as exc:
+        log.warning("recovered, but could not rewrite the status record of node %s: %s", params.node, exc)
+        return None
+    return None if written is None else str(written.status)
 
 
 def _recover(params: RecoverParams) -> dict:

@@ -16,10 +16,11 @@ a request          transient I/O of that one request:    ``ObjectStoreSettings.r
                    a timeout, throttling, a 5xx, a       (``retry_attempts``, ``backoff_initial_s``,
                    reset, a short body                   ``backoff_max_s``); botocore's own retries are off
                                                          (``storage/objects/s3client.py``)
-a stage            nothing: it runs once. Its time is    ``tasks/stage.py`` (no loop); the stop token
-                   bounded by its requests (attempts x   (``storage/runtime/cancel.py``) ends it at once on an
-                   timeouts, capped backoff) and by the  interrupt or a cancellation
-                   run's stop token
+a stage            nothing: it runs once. Its time is    ``tasks/stage.py`` (no loop, no ``retried``, no
+                   bounded by its requests (attempts x   attempt count); the stop token
+                   timeouts, capped backoff) and by the  (``storage/runtime/cancel.py``) ends it at once on an
+                   run's stop token (no deadline of its  interrupt or a cancellation
+                   own)
 a refit            the whole run, after a transient      ``RefitParams.run_retry_policy`` (``retries``,
                    failure, once the attempt released    ``retry_delay_s``): ``flows/refit.py``
                    everything and rolled the store back  ``run_refit``; never after poison, an interrupt or
@@ -36,7 +37,8 @@ During an outage a request is therefore tried ``retry_attempts`` times per
 run attempt, and the run ``retries + 1`` times: at most their product (6 x 4
 with the defaults), each run attempt starting over from a consistent store.
 The settings ``stage_retries`` and ``stage_retry_delay_s`` are still accepted
-(command lines keep working) and no longer do anything. Event delivery
+(command lines keep working), no longer do anything, and are never printed in
+a ``next:`` command. Event delivery
 (``flows/announce.py``) and the node agent's API polls have their own
 backoffs: they are not on a run's path.
 """

@@ -212,6 +212,9 @@ class RefitParams(Settings):
     target: str = Field("latest", description="version to install, or 'latest'")
     initial_version: str | None = Field(None, description="launch revision (default: the sequence-0 record)")
     seed_checkpoint: str | None = Field(None, description="local path of the launch HF snapshot")
+    seed_links: bool = Field(True, description="hard-link the launch snapshot's weight files into the store where "
+                                               "the filesystem allows (off: copy them, for a launch folder that is "
+                                               "rewritten in place)", json_schema_extra={"flag": "--no-seed-links"})
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the local checkpoint store")
     cache_max_gb: float = Field(500.0, gt=0, description="byte quota of the store, decimal GB")
     apply_workers: int = Field(default_factory=_workers_default, ge=1, le=256,
@@ -429,3 +432,9 @@ class RecoverParams(Settings):
         json_schema_extra={"flags": {"kind": "--installer", "engine_urls": "--engine-url"}})
     override_installer: bool = Field(
         False, description="re-install through `installer` even though the node was poisoned through another")
+    catalog: str | None = Field(None, description="the node's catalog URL: given, a recovery rewrites the node's "
+                                                  "status record there at once (else at the agent's next beat)")
+    node: str | None = Field(None, pattern=NODE_PATTERN,
+                             description="this node's name in the fleet view (default: the host name)")
+    storage: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings, json_schema_extra={
+        "flags": {"endpoint_url": "--s3-endpoint-url"}})

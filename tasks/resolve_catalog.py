@@ -113,7 +113,7 @@ def rollback_checked(rx: Receiver, active, target: Revision) -> None:
         raise RollbackRefused(
             f"target {target.version} (sequence {target.sequence}) is older than the installed "
             f"{installed.version} (sequence {installed.sequence}): this node refuses rollbacks from its "
-            "control plane (its agent's --allow-remote-rollback allows them); nothing was downloaded",
+            "control plane (its agent's allow_remote_rollback=True allows them); nothing was downloaded",
             revision=target.version, file=rx.catalog.record_url(target.version), field="target")
     rx.ledger.rollback_from = installed.version
     rx.ledger.note(f"rollback: from the installed {installed.version} (sequence {installed.sequence}) to "

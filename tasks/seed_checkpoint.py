@@ -11,7 +11,7 @@ from storage.store import launch_files
 from storage.catalog.records import Revision
 from storage.format.checkpoint import CheckpointIndex
 from storage.durable import (
-    CopyReport, boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree,
+    CopyReport, boot_id, copied_size, copy_tree_files, folder_identity, fsync_dir, remove_tree, source_files,
 )
 from storage.errors import ChecksumMismatch, CheckpointMismatch, StoreError
 from storage.runtime.killpoints import killpoint
@@ -22,7 +22,6 @@ from tasks.resolve_catalog import ReplayPlan
 from tasks.stage import Stage
 
 log = logging.getLogger("canonical_refit.seed")
-SEED_LINKS_ENV = "CANONICAL_REFIT_SEED_LINKS"  # "0": copy the launch snapshot's weights instead of linking them
 
 
 @dataclass(frozen=True)
@@ -70,9 +69,18 @@ def seed_checkpoint(rx: Receiver, plan: ReplayPlan) -> Baseline:
     return Baseline(checkpoint, seeded=True, recovery=recovery, bytes=copied, placed=report.summary())
 
 
-def seed_links() -> bool:
-    """Whether the seed hard-links the launch snapshot's weight files (default) rather than copying them."""
-    return os.environ.get(SEED_LINKS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+def bytes_to_copy(seed_path: Path, into: Path, *, links: bool) -> int:
+    """The bytes the seed will write into the folder ``into`` (on the store's filesystem): every file it
+    copies, at its link target's size; none for a weight file it will hard-link (``links``, and the file's
+    bytes on the same filesystem as ``into``). A link the filesystem refuses even so (``fs.protected_hardlinks``,
+    too many links) is copied beyond this count: the copy's own ENOSPC handling covers it."""
+    device = os.stat(into).st_dev
+    total = 0
+    for entry in source_files(seed_path):
+        info = entry.stat(follow_symlinks=True)
+        if not (links and launch_files.is_weight_file(entry.name) and info.st_dev == device):
+            total += info.st_size
+    return total
 
 
 def seed_launch_snapshot(rx: Receiver, initial: Revision, *,
@@ -88,8 +96,10 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision, *,
     """
     seed_path = _launch_snapshot_folder(rx, initial)
     folder = rx.store.full_dir(initial.version)
-    size = copied_size(seed_path)  # what the copy writes: link targets (a hub snapshot's blobs), not links
-    ensure_capacity(rx.store, size, {rx.store.tmp_dir}, what=f"seeding {initial.version}")
+    size = copied_size(seed_path)  # what the seed places: link targets (a hub snapshot's blobs), not links
+    links = rx.params.seed_links
+    writes = bytes_to_copy(seed_path, rx.store.tmp_dir, links=links)  # hard-linked weights write nothing
+    ensure_capacity(rx.store, writes, {rx.store.tmp_dir}, what=f"seeding {initial.version}")
     state = rx.store.state()
     rx.store.begin_update(initial.version, folder, state.version if state else None)
     remove_tree(folder)
@@ -98,7 +108,7 @@ def seed_launch_snapshot(rx: Receiver, initial: Revision, *,
     report = report if report is not None else CopyReport()
     try:
         copied = copy_tree_files(seed_path, staging, workers=rx.params.apply_workers, progress=progress,
-                                 stop=rx.stop, link=launch_files.is_weight_file if seed_links() else None,
+                                 stop=rx.stop, link=launch_files.is_weight_file if links else None,
                                  report=report)
         staging.rename(folder)
         fsync_dir(folder.parent)
@@ -148,13 +158,13 @@ def _launch_snapshot_folder(rx: Receiver, initial: Revision) -> Path:
     seed = rx.params.seed_checkpoint
     if not seed:
         raise StoreError(
-            f"the store has no checkpoint to start from; pass --seed-checkpoint with the launch snapshot "
+            f"the store has no checkpoint to start from; pass seed_checkpoint= with the launch snapshot "
             f"of {initial.version}",
             revision=initial.version,
         )
     seed_path = launch_files.snapshot_folder(seed, revision=initial.version)  # only regular files, no loops
     if not seed_path.is_dir():
-        raise StoreError(f"--seed-checkpoint {seed_path} is not a folder; pass the launch snapshot of "
+        raise StoreError(f"seed_checkpoint=\"{seed_path}\" is not a folder; pass the launch snapshot of "
                          f"{initial.version} (a folder of *.safetensors files)", revision=initial.version,
                          local_file=str(seed_path))
     source = CheckpointIndex.open(seed_path, revision=initial.version)

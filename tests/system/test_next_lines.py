@@ -82,12 +82,13 @@ def test_the_repeated_command_carries_every_option_the_run_had_and_no_secret():
         storage=ObjectStoreSettings(endpoint_url="http://10.0.0.2:9000", concurrency=5))
     command = refit_command(params)
     assert "s3cret-token" not in command
+    assert "--stage-retr" not in command  # deprecated, no effect: never printed (still parsed)
     argv = shlex.split(command)
     assert argv[:3] == ["python", "-m", "flows.refit"]
     again = build_params(_run_parser().parse_args(argv[3:]))  # what the pasted command runs
     for name in ("catalog", "model", "node", "target", "initial_version", "seed_checkpoint", "cache_dir",
                  "cache_max_gb", "verify", "only_if_newer", "activate", "lock_timeout_s", "apply_workers", "retries",
-                 "retry_delay_s", "stage_retries", "stage_retry_delay_s"):
+                 "retry_delay_s"):
         assert getattr(again, name) == getattr(params, name), name
     assert (again.installer.kind, again.installer.engine_urls) == ("sglang", params.installer.engine_urls)
     assert (again.storage.endpoint_url, again.storage.concurrency) == ("http://10.0.0.2:9000", 5)
@@ -100,6 +101,7 @@ def test_the_repeated_command_carries_every_option_the_run_had_and_no_secret():
 
 def test_every_flag_of_the_refit_command_is_repeated_when_the_run_had_it():
     from flows.cli import REFIT_FLAGS
-    from flows.outcome import REPEATED_OPTIONS
+    from flows.outcome import NOT_REPEATED, REPEATED_OPTIONS
 
-    assert sorted((f.path, f.option()) for f in REFIT_FLAGS) == sorted(REPEATED_OPTIONS)
+    assert sorted((f.path, f.option()) for f in REFIT_FLAGS if f.path not in NOT_REPEATED) == sorted(REPEATED_OPTIONS)
+    assert {f.path for f in REFIT_FLAGS} >= set(NOT_REPEATED)  # the deprecated flags still parse

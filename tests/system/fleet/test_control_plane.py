@@ -172,7 +172,7 @@ def test_a_remote_rollback_is_refused_unless_the_node_allows_it(plane):
 
     refused = plane.run(guard, "latest", {**mine, "target": "r0"})
     assert (refused.state_type.value, refused.state_name) == ("FAILED", "Failed"), refused.state
-    for fact in ("target r0", "older than the installed r1", "--allow-remote-rollback"):
+    for fact in ("target r0", "older than the installed r1", "allow_remote_rollback=True"):  # the field
         assert fact in refused.state.message, refused.state.message
     stages = {t.name.rsplit("-", 1)[0] for t in plane.task_runs(refused.id)}
     assert "resolve catalog" in stages and "fetch buckets" not in stages, stages  # refused before any download
