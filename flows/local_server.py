@@ -27,6 +27,7 @@ server per command that dies with the command, however it ends.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -108,15 +109,36 @@ class ServerRecord:
             connection.close()
 
 
-def read_record(folder: Path) -> ServerRecord | None:
+@functools.cache
+def strict_record() -> type[ServerRecord]:
+    """``ServerRecord`` as the strict record of ``local-server.json`` (a pydantic dataclass built on first use:
+    a command asks for its server before it imports pydantic). No unknown key: the file is this program's
+    own, and a record it refuses only means no server is known (a new one is started)."""
+    from pydantic import ConfigDict
+    from pydantic.dataclasses import dataclass as strict_dataclass
+
+    return strict_dataclass(ServerRecord, frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+
+
+def load_record(folder: Path) -> ServerRecord | None:
+    """The server record in ``folder``, or None if there is none; ``FormatError`` naming the file if refused."""
     from storage.jsonio import bounded_json  # here, not at the top: a command asks for its server before importing
     from storage.errors import FormatError
 
     path = folder / RECORD
+    record = bounded_json.read_record(path, strict_record(), bounded_json.RECORD, error=FormatError,
+                                      missing_ok=True, hint="; a new server is started in its place")
+    return None if record is None else ServerRecord(**asdict(record))  # the plain record: it compares equal
+
+
+def read_record(folder: Path) -> ServerRecord | None:
+    """The server record in ``folder``, or None if there is none or it is refused (logged)."""
+    from storage.errors import FormatError
+
     try:
-        raw = bounded_json.read_bounded(path, bounded_json.RECORD, local_file=str(path))
-        return ServerRecord(**bounded_json.load_json(raw, bounded_json.RECORD, expect=dict, local_file=str(path)))
-    except (FormatError, TypeError):
+        return load_record(folder)
+    except FormatError as exc:
+        log.warning("ignoring the local server's record: %s", exc)
         return None
 
 

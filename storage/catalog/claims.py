@@ -7,11 +7,16 @@ start probing and are checked against the claims, never trusted.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Annotated, TypeVar
 
-from storage.jsonio.bounded_json import RECORD, load_json
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+from storage.jsonio.bounded_json import RECORD, STORE_RECORD, load_record, read_record
 from storage.jsonio.canonical import canonical_json
-from storage.durable import atomic_write_json, read_json_file
-from storage.errors import CatalogError, ImmutableConflict, ObjectNotFound, RefitError, StorageError
+from storage.durable import atomic_write_json
+from storage.errors import CatalogError, ImmutableConflict, ObjectNotFound, RefitError, StorageError, StoreError
 from storage.urls import join_url
 from storage.catalog.revision import (
     CLAIMS, HEAD_HINT, HEAD_SCHEMA, MAX_HINT_BYTES, MAX_RECORD_BYTES, MAX_SEQUENCE, Revision, _VERSION_RE,
@@ -19,6 +24,61 @@ from storage.catalog.revision import (
 )
 
 log = logging.getLogger("canonical_refit.catalog")
+T = TypeVar("T")
+# Catalog objects (claims, the head hint) are written by any publisher, this project's or another
+# implementation's, newer or older: a key a node does not know is ignored. The node's own memos are this
+# program's alone: a key it does not know refuses the memo (a hint, so it is only re-read from the catalog).
+CATALOG_OBJECT = ConfigDict(strict=True, extra="ignore")
+OWN_MEMO = ConfigDict(strict=True, extra="forbid")
+Sequence = Annotated[int, Field(ge=0, le=MAX_SEQUENCE)]
+
+
+@dataclass(frozen=True, config=CATALOG_OBJECT)
+class SequenceClaim:
+    """A claim object ``{catalog}/sequences/{n:012d}.json`` (docs/format.md, 4.7). ``publication`` is missing
+    from claims written before it existed; ``model`` and ``sequence``, when present, must be the reader's."""
+
+    version: str
+    publication: str | None = None
+    model: str | None = None
+    sequence: int | None = None
+
+
+@dataclass(frozen=True, config=CATALOG_OBJECT)
+class HeadHint:
+    """The head hint ``{catalog}/hints/head.json`` (4.9): a hint, never truth; refused, it is ignored."""
+
+    model: str
+    sequence: Sequence
+    schema: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True, config=OWN_MEMO)
+class ClaimMemo:
+    """This node's memo of a claim, ``catalog/sequences/{n:012d}.json`` under its store."""
+
+    url: str
+    version: str
+    publication: str | None = None
+
+
+@dataclass(frozen=True, config=OWN_MEMO)
+class HeadMemo:
+    """This node's memo of the highest claim it saw, ``catalog/hints/head.json`` under its store."""
+
+    url: str
+    sequence: Sequence
+
+
+def read_memo(path: Path, cls: type[T]) -> T | None:
+    """A memo of this node (``cls``), or None if it is missing or refused: memos are hints, written without
+    fsync (torn after a power loss), and a refused one (logged) is only read again from the catalog."""
+    try:
+        return read_record(path, cls, STORE_RECORD, error=StoreError, missing_ok=True)
+    except StoreError as exc:
+        log.info("ignoring the catalog memo: %s", exc)
+        return None
 
 
 class SequenceClaims:
@@ -92,10 +152,10 @@ class SequenceClaims:
                         raise
                     log.warning("ignoring sequence claim %s: %s", url, exc)
                     return True, None
-                memo = _claim_fields(raw, self.model, sequence)
-                if memo is None:
-                    log.warning("ignoring sequence claim %s: not a claim of %s for sequence %d", url, self.model,
-                                sequence)
+                try:
+                    memo = _claim_fields(raw, self.model, sequence, url)
+                except CatalogError as exc:
+                    log.warning("ignoring sequence claim %s: %s", url, exc)
                     return True, None
                 self._claim_memo_write(sequence, memo)
             self._claims[sequence] = memo
@@ -106,7 +166,7 @@ class SequenceClaims:
         url = self.head_hint_url
         self._hint = None
         try:
-            found = load_json(self._fetch(url, MAX_HINT_BYTES), RECORD, error=CatalogError, expect=dict, file=url)
+            found = load_record(self._fetch(url, MAX_HINT_BYTES), HeadHint, RECORD, error=CatalogError, file=url)
         except ObjectNotFound:
             return None
         except RefitError as exc:
@@ -117,13 +177,11 @@ class SequenceClaims:
         except Exception as exc:
             log.warning("ignoring the catalog's head hint %s: %s", url, _unusable(exc, None, url))
             return None
-        sequence = found.get("sequence") if isinstance(found, dict) else None
-        if (not isinstance(found, dict) or found.get("model") != self.model or type(sequence) is not int
-                or not 0 <= sequence <= MAX_SEQUENCE):
+        if found.model != self.model:
             log.warning("ignoring the catalog's head hint %s: not a head hint of %s", url, self.model)
             return None
-        self._hint = sequence
-        return sequence
+        self._hint = found.sequence
+        return found.sequence
 
     def _put_hint(self, record: Revision) -> None:
         """Point the head hint at ``record`` (best effort: the hint only saves readers probes)."""
@@ -153,27 +211,16 @@ class SequenceClaims:
             return version, publication
         except ImmutableConflict:
             raw = self.store.read_bytes(url, max_size=MAX_RECORD_BYTES)
-            try:
-                found = load_json(raw, RECORD, error=CatalogError, expect=dict, file=url)
-                holder, token = found.get("version"), found.get("publication")
-            except CatalogError:
-                holder, token = None, None
-            if not isinstance(holder, str) or not isinstance(token, (str, type(None))):
-                raise CatalogError("sequence claim is malformed", file=url, field="version") from None
-            return holder, token
+            found = load_record(raw, SequenceClaim, RECORD, error=CatalogError, file=url)
+            return found.version, found.publication
 
     def _claim_memo(self, sequence: int) -> tuple[str | None, str | None] | None:
         if self.cache_dir is None:
             return None
-        try:
-            cached = read_json_file(self.cache_dir / CLAIMS / f"{sequence:012d}.json")
-        except Exception:  # torn (written without fsync) or damaged: just missing
+        memo = read_memo(self.cache_dir / CLAIMS / f"{sequence:012d}.json", ClaimMemo)
+        if memo is None or memo.url != self.claim_url(sequence):
             return None
-        if (not isinstance(cached, dict) or cached.get("url") != self.claim_url(sequence)
-                or not isinstance(cached.get("version"), str)):
-            return None
-        token = cached.get("publication")
-        return cached["version"], token if isinstance(token, str) else None
+        return memo.version, memo.publication
 
     def _claim_memo_write(self, sequence: int, claim: tuple[str | None, str | None]) -> None:
         if self.cache_dir is not None and claim[0] is not None:
@@ -185,16 +232,10 @@ class SequenceClaims:
         """The highest claim this node saw in this catalog (its claim memo holds it), or None."""
         if self.cache_dir is None:
             return None
-        try:
-            cached = read_json_file(self.cache_dir / HEAD_HINT)
-        except Exception:
+        memo = read_memo(self.cache_dir / HEAD_HINT, HeadMemo)
+        if memo is None or memo.url != self.url or self._claim_memo(memo.sequence) is None:
             return None
-        if not isinstance(cached, dict) or cached.get("url") != self.url:
-            return None
-        sequence = cached.get("sequence")
-        if type(sequence) is not int or not 0 <= sequence <= MAX_SEQUENCE or self._claim_memo(sequence) is None:
-            return None
-        return sequence
+        return memo.sequence
 
     def _memo_top_write(self, sequence: int) -> None:
         if self.cache_dir is None or self._claim_memo(sequence) is None or self._memo_top() == sequence:
@@ -202,17 +243,13 @@ class SequenceClaims:
         atomic_write_json(self.cache_dir / HEAD_HINT, {"url": self.url, "sequence": sequence}, durable=False)
 
 
-def _claim_fields(raw: bytes, model: str, sequence: int) -> tuple[str, str | None] | None:
-    """(version, publication token) of a claim object, or None if it is not a usable claim of ``sequence``."""
-    try:
-        found = load_json(raw, RECORD, error=CatalogError, expect=dict)
-    except Exception:
-        return None
-    if not isinstance(found, dict):
-        return None
-    version, token = found.get("version"), found.get("publication")
-    if not isinstance(version, str) or not _VERSION_RE.match(version) or not isinstance(token, (str, type(None))):
-        return None
-    if found.get("sequence", sequence) != sequence or found.get("model", model) != model:
-        return None
-    return version, token
+def _claim_fields(raw: bytes, model: str, sequence: int, url: str) -> tuple[str, str | None]:
+    """(version, publication token) of a claim object; ``CatalogError`` naming it unless it is a usable claim
+    of ``sequence``."""
+    found = load_record(raw, SequenceClaim, RECORD, error=CatalogError, file=url)
+    if not _VERSION_RE.match(found.version):
+        raise CatalogError("sequence claim names an invalid version id", file=url, field="version")
+    if found.sequence not in (None, sequence) or found.model not in (None, model):
+        raise CatalogError(f"not a claim of {model} for sequence {sequence}", file=url,
+                           field="model" if found.sequence in (None, sequence) else "sequence")
+    return found.version, found.publication

@@ -13,14 +13,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Annotated, Mapping
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as strict_dataclass
 
 from storage.catalog.publisher import Snapshot, snapshot_of
 from storage.catalog.records import Revision
-from storage.durable import (
-    atomic_write_json, copy_tree_files, file_identity, fsync_dir, fsync_files, read_json_file, remove_tree,
-)
-from storage.errors import LineageError
+from storage.durable import atomic_write_json, copy_tree_files, file_identity, fsync_dir, fsync_files, remove_tree
+from storage.errors import LineageError, StoreError
+from storage.jsonio.bounded_json import STORE_RECORD, read_record
 from storage.format.checkpoint import CheckpointIndex
 from storage.format.tensor_source import MemoryCheckpoint
 from storage.runtime.killpoints import killpoint
@@ -35,6 +37,19 @@ class _KeptInMemory:
     checksum_format: str
     checksums: Mapping[str, str]
     checkpoint: MemoryCheckpoint
+
+
+@strict_dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+class KeptRecord:
+    """Contents of ``last.json``: the kept copy's version, folder, checksums and the files' identity. Strict,
+    no unknown key (the publisher's own state: only its own writes it). A record without ``folder`` (a copy
+    kept before copies were versioned) names ``checkpoint/``; one without files or checksums is hashed."""
+
+    version: str
+    checksum_format: str | None = None
+    checksums: dict[str, str] | None = None
+    files: dict[str, Annotated[list[int], Field(min_length=2, max_length=2)]] | None = None  # [size, mtime_ns]
+    folder: str | None = None  # under the model's state folder: checkpoints/{version}.{n}
 
 
 _IN_MEMORY: dict[Path, _KeptInMemory] = {}  # this process's kept bases, by publisher state folder
@@ -62,16 +77,18 @@ class PublisherCopy:
         self.record_path = self.root / "last.json"
         self.in_memory = keep_base == "memory"
 
-    def last(self) -> dict | None:
-        raw = read_json_file(self.record_path)
-        return raw if isinstance(raw, dict) else None
+    def last(self) -> KeptRecord | None:
+        """``last.json``, or None if there is none; ``StoreError`` naming it if it is not such a record."""
+        return read_record(self.record_path, KeptRecord, STORE_RECORD, error=StoreError, missing_ok=True,
+                           hint='; move it away, then pass the base\'s checkpoint as base_checkpoint= or publish '
+                                'with kind="full"')
 
     @property
     def checkpoint(self) -> Path:
         """The folder of the kept copy on disk (``checkpoint/`` for copies kept before it was versioned)."""
-        last = self.last() or {}
-        folder = last.get("folder")
-        return self.root / folder if isinstance(folder, str) and "/" in folder and ".." not in folder \
+        last = self.last()
+        folder = last.folder if last is not None else None
+        return self.root / folder if folder is not None and "/" in folder and ".." not in folder \
             else self.root / "checkpoint"
 
     def kept_version(self) -> str | None:
@@ -80,8 +97,7 @@ class PublisherCopy:
         if kept is not None:
             return kept.version
         last = self.last()
-        version = last.get("version") if last and self.checkpoint.is_dir() else None
-        return version if isinstance(version, str) else None
+        return last.version if last is not None and self.checkpoint.is_dir() else None
 
     def base_for(self, base: Revision, *, workers: int, publishing: str | None = None) -> Snapshot:
         """The kept copy as a snapshot of ``base``, refusing anything but the exact base; errors name the
@@ -98,7 +114,7 @@ class PublisherCopy:
                                'revision with kind="full"', revision=publishing, field="base_checkpoint")
         snap = self._on_disk(last, base.version, base.checksum_format, workers)
         if snap.target_digest != base.target_digest:
-            raise LineageError(f"the publisher's kept copy ({last.get('version')}) is not the exact base revision "
+            raise LineageError(f"the publisher's kept copy ({last.version}) is not the exact base revision "
                                f"{base.version}; pass the checkpoint of {base.version} as base_checkpoint=",
                                revision=publishing, file=str(self.checkpoint), field="base_checkpoint")
         return snap
@@ -111,7 +127,7 @@ class PublisherCopy:
         if snap is not None:
             return snap
         last = self.last()
-        if last is None or last.get("version") != version or not self.checkpoint.is_dir():
+        if last is None or last.version != version or not self.checkpoint.is_dir():
             return None
         return self._on_disk(last, version, checksum_format, workers)
 
@@ -122,15 +138,13 @@ class PublisherCopy:
             return None
         return snapshot_of(kept.checkpoint, checksum_format, workers=workers, checksums=kept.checksums)
 
-    def _on_disk(self, last: dict, version: str, checksum_format: str, workers: int) -> Snapshot:
+    def _on_disk(self, last: KeptRecord, version: str, checksum_format: str, workers: int) -> Snapshot:
         """The copy on disk; its recorded checksums are reused only if its files, version and format are the
         recorded ones (otherwise it is hashed)."""
         checkpoint = self.checkpoint
         files = {p.name: file_identity(p) for p in sorted(checkpoint.iterdir()) if p.is_file()}
-        same = (last.get("files") == files and last.get("version") == version
-                and last.get("checksum_format") == checksum_format)
-        return snapshot_of(checkpoint, checksum_format, workers=workers,
-                           checksums=last.get("checksums") if same else None)
+        same = (last.files == files and last.version == version and last.checksum_format == checksum_format)
+        return snapshot_of(checkpoint, checksum_format, workers=workers, checksums=last.checksums if same else None)
 
     def keep(self, source: Path | CheckpointIndex | MemoryCheckpoint, version: str, checksum_format: str,
              checksums: Mapping[str, str], *, workers: int = 4) -> None:

@@ -10,18 +10,35 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Mapping
 
+from pydantic import InstanceOf
+from pydantic.dataclasses import dataclass
+
 from storage.jsonio.canonical import canonical_json
-from storage.durable import atomic_write_json, read_json_file
+from storage.durable import atomic_write_json
 from storage.errors import CatalogError, LineageError, ObjectNotFound, RefitError
 from storage.objects.store import ObjectStore
 from storage.urls import join_url, normalize_url, storage_kind
-from storage.catalog.claims import SequenceClaims
+from storage.catalog.claims import OWN_MEMO, SequenceClaims, read_memo
 from storage.catalog.revision import (  # noqa: F401  (CLAIMS ... SCHEMA re-exported: their home before the split)
     CLAIMS, HEAD_HINT, HEAD_SCHEMA, MAX_CHAIN, MAX_HINT_BYTES, MAX_RECORD_BYTES, MAX_SEQUENCE, SCHEMA, Revision,
     _VERSION_RE, _unusable, parse_revision, quarantinable,
 )
 
 log = logging.getLogger("canonical_refit.catalog")
+
+
+@dataclass(frozen=True, config=OWN_MEMO)
+class RecordMemo:
+    """This node's memo of a catalog record, ``catalog/{v}.json`` under its store: the record's URL and the
+    object as read (signed or not), revalidated on every read (``parse_revision``, the signature)."""
+
+    url: str
+    record: InstanceOf[dict]
+
+
+def record_memo(path: Path) -> RecordMemo | None:
+    """The memo at ``path``, or None if it is missing or refused (a hint: then read again from the catalog)."""
+    return read_memo(path, RecordMemo)
 
 
 class Catalog(SequenceClaims):
@@ -244,7 +261,7 @@ class Catalog(SequenceClaims):
                 found = " and ".join(r.version for r in zeros) or "none"
                 raise CatalogError(
                     f"the catalog needs exactly one valid sequence-0 (launch) record, found {found}; publish "
-                    "the launch revision with --kind initial, or name it with --initial-version",
+                    'the launch revision with kind="initial", or name it with initial_version=',
                     file=self.url, field="sequence",
                 )
             record = zeros[0]
@@ -299,7 +316,7 @@ class Catalog(SequenceClaims):
     def _empty(self) -> CatalogError:
         bad = f" ({len(self.quarantined)} malformed record(s) quarantined)" if self.quarantined else ""
         return CatalogError(f"the catalog {self.url} holds no valid revision records for {self.model}{bad}: "
-                            "check --catalog and --model, or publish the launch revision first (--kind initial)",
+                            'check catalog= and model=, or publish the launch revision first (kind="initial")',
                             file=self.url)
 
     def lineage(self, target: Revision, local: Mapping[str, str]) -> list[Revision]:
@@ -376,16 +393,13 @@ class Catalog(SequenceClaims):
     def _read_cached(self, version: str, url: str) -> Revision | None:
         if self.cache_dir is None:
             return None
-        try:
-            cached = read_json_file(self.cache_dir / f"{version}.json")
-        except ValueError:  # the memo is written without fsync: after a power loss it may be torn
-            return None
-        if not isinstance(cached, dict) or cached.get("url") != url or not isinstance(cached.get("record"), dict):
+        memo = record_memo(self.cache_dir / f"{version}.json")  # written without fsync: torn after a power loss
+        if memo is None or memo.url != url:
             return None
         try:
-            record = parse_revision(cached.get("record"), version=version, model=self.model, file=url)
+            record = parse_revision(memo.record, version=version, model=self.model, file=url)
             if self.verify is not None:  # the memo keeps the signed object: checked again, so a key change counts
-                self.verify(cached["record"], revision=version, file=url)
+                self.verify(memo.record, revision=version, file=url)
             return record
         except CatalogError:
             return None

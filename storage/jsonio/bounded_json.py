@@ -167,11 +167,18 @@ def validation_error(exc, error: type[RefitError], *, what: str = "record", **co
 def parse_record(cls: type[T], raw, *, error: type[RefitError] = FormatError, hint: str = "", **context) -> T:
     """``raw`` (a parsed JSON document) as the strict record type ``cls`` (a pydantic dataclass), or ``error``
     naming the object (``context``: ``file``, ``local_file``...) and the first bad field, ``hint`` (what to do)
-    ending its message. Keys ``cls`` does not know are ignored (a newer writer's fields); fields a record lacks
-    take their defaults (an older writer's)."""
+    ending its message. Fields a record lacks take their defaults (an older writer's). Keys ``cls`` does not
+    know are refused when its config says ``extra="forbid"``, else ignored (a newer writer's: the record's
+    docstring says why it needs that)."""
     if not isinstance(raw, dict):
         raise error(f"not a {cls.__name__} record: a JSON {_json_type(raw)}, not an object{hint}", **context)
-    names = _field_names(cls)
+    names, forbid = _field_names(cls)
+    if forbid:
+        unknown = sorted(str(key) for key in raw if key not in names)
+        if unknown:
+            more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
+            raise error(f"not a valid {cls.__name__} record ({unknown[0]}: unknown field{more}){hint}",
+                        field=unknown[0], **context)
     try:
         return cls(**{key: value for key, value in raw.items() if key in names})
     except ValidationError as exc:
@@ -188,9 +195,28 @@ def load_record(data: bytes | bytearray | memoryview | str, cls: type[T], limits
     return parse_record(cls, load_json(data, limits, error=error, **context), error=error, hint=hint, **context)
 
 
+def read_record(path, cls: type[T], limits: JsonLimits, *, error: type[RefitError] = FormatError, hint: str = "",
+                missing_ok: bool = False, **context) -> T | None:
+    """``read_bounded`` then ``load_record``: one strict record read from the local file ``path`` (None if it is
+    missing and ``missing_ok``); every refusal is ``error`` naming the file (``local_file``, unless ``context``
+    names it otherwise) with ``hint`` ending its message."""
+    context = context or {"local_file": str(path)}
+    try:
+        raw = read_bounded(path, limits, error=error, missing_ok=missing_ok, **context)
+        document = None if raw is None else load_json(raw, limits, error=error, **context)
+    except error as exc:
+        if hint:
+            exc.reason += hint
+            exc.args = (exc._render(),)
+        raise
+    return None if raw is None else parse_record(cls, document, error=error, hint=hint, **context)
+
+
 @cache
-def _field_names(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(cls))
+def _field_names(cls: type) -> tuple[frozenset[str], bool]:
+    """(the field names of ``cls``, whether its config forbids any other key)."""
+    config = getattr(cls, "__pydantic_config__", None) or {}
+    return frozenset(f.name for f in fields(cls)), config.get("extra") == "forbid"
 
 
 # -- the structure scan ----------------------------------------------------------------------------------------

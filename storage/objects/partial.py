@@ -24,15 +24,41 @@ import logging
 import os
 import threading
 import time
+from dataclasses import field
 from pathlib import Path
-from typing import Callable
+from typing import Annotated, Callable
 
-from storage.durable import atomic_write_json, fsync_dir, read_json_file
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+from storage.durable import atomic_write_json, fsync_dir
 from storage.errors import StoreError
+from storage.jsonio.bounded_json import STORE_RECORD, read_record
 from storage.objects.classify import local_call, local_error
 
 log = logging.getLogger("canonical_refit.transfer")
 CHECKPOINT_INTERVAL_S = 0.025  # the ranges in flight are recorded at most this often
+
+
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+class PartialRecord:
+    """Contents of ``.{name}.part.json``. Strict, and no key it does not know: a record this version cannot
+    read whole is not resumed from (the download starts again), never half-understood."""
+
+    url: str
+    size: int
+    identity: str
+    range_size: int
+    done: list[int]  # indices of the completed ranges
+    partial: dict[str, int] = field(default_factory=dict)  # range index -> its first bytes recorded
+    split: dict[str, Annotated[tuple[int, int], Field(strict=False)]] = field(default_factory=dict)
+
+
+def read_partial_record(path: Path, url: str) -> PartialRecord | None:
+    """The record at ``path`` of a download of ``url``; None if missing; ``StoreError`` naming both if it is
+    not bounded JSON or not such a record."""
+    return read_record(path, PartialRecord, STORE_RECORD, error=StoreError, missing_ok=True,
+                       hint="; the download starts again", file=url, local_file=str(path))
 
 
 def partial_paths(dest: Path) -> tuple[Path, Path]:
@@ -118,23 +144,21 @@ class PartialFile:
         """The ranges (the plan with the record's splits), the completed ones and the recorded first bytes of the
         others, of a matching record; anything else starts from zero with the plan."""
         try:
-            record = read_json_file(self.record)  # None if missing; bounded strict JSON
-        except (OSError, ValueError):
-            record = "unreadable"
-        want = {"url": self.url, "size": self.size, "identity": self.identity, "range_size": self.range_size}
-        done = record.get("done") if isinstance(record, dict) else None
-        partial = record.get("partial", {}) if isinstance(record, dict) else None
-        ranges = with_splits(plan, record.get("split", {}), self.size) if isinstance(record, dict) else None
-        if (self.identity is not None and ranges is not None and isinstance(done, list)
-                and isinstance(partial, dict)
-                and all(record.get(k) == v for k, v in want.items())
-                and all(type(i) is int and i in ranges for i in done)
-                and all(k.isdigit() and int(k) in ranges and int(k) not in done and type(n) is int
-                        and 0 < n <= ranges[int(k)][1] - ranges[int(k)][0] for k, n in partial.items())
+            record = read_partial_record(self.record, self.url)
+        except StoreError as exc:
+            log.info("not resuming %s: %s", self.url, exc)
+            record = None
+        ranges = with_splits(plan, record.split, self.size) if record is not None else None
+        if (self.identity is not None and ranges is not None
+                and (record.url, record.size, record.identity, record.range_size)
+                == (self.url, self.size, self.identity, self.range_size)
+                and all(i in ranges for i in record.done)
+                and all(k.isdigit() and int(k) in ranges and int(k) not in record.done
+                        and 0 < n <= ranges[int(k)][1] - ranges[int(k)][0] for k, n in record.partial.items())
                 and self._local("reading the partial download", self.part, os.fstat, self.fd).st_size >= self.size):
-            partial = {int(k): n for k, n in partial.items()}
+            partial = {int(k): n for k, n in record.partial.items()}
             whole = {i for i, n in partial.items() if n == ranges[i][1] - ranges[i][0]}  # written, not yet listed
-            return ranges, set(done) | whole, {i: n for i, n in partial.items() if i not in whole}
+            return ranges, set(record.done) | whole, {i: n for i, n in partial.items() if i not in whole}
         if record is not None:
             log.info("not resuming %s: the record %s is for another object, version or range size",
                      self.url, self.record)
@@ -210,7 +234,7 @@ def with_splits(plan: dict[int, tuple[int, int]], split, size: int) -> dict[int,
         return None
     ranges = dict(plan)
     for key, bounds in split.items():
-        if not (isinstance(key, str) and key.isdigit() and isinstance(bounds, list) and len(bounds) == 2
+        if not (isinstance(key, str) and key.isdigit() and isinstance(bounds, (list, tuple)) and len(bounds) == 2
                 and all(type(b) is int for b in bounds) and 0 <= bounds[0] < bounds[1] <= size):
             return None
         ranges[int(key)] = (bounds[0], bounds[1])

@@ -22,16 +22,17 @@ from typing import Callable, Mapping, Sequence
 
 from storage.store import launch_files
 from storage.runtime.cancel import StopToken
-from storage.catalog.records import Revision, parse_revision
+from storage.catalog.records import Revision, parse_revision, record_memo
 from storage.format.checkpoint import CheckpointIndex, require_same_layout
 from storage.format.digests import snapshot_digest
 from storage.durable import (
-    CopyReport, boot_id, folder_identity, fsync_dir, read_json_file, remove_tree, tree_size,
+    CopyReport, boot_id, folder_identity, fsync_dir, remove_tree, tree_size,
 )
 from storage.errors import (
     CatalogError, ChecksumMismatch, CheckpointMismatch, RefitError, StoreError,
 )
 from storage.runtime.killpoints import killpoint
+from storage.store.artifacts import read_source
 from storage.store.local_store import Chain, LocalStore, VerifiedCheckpoint, now_ms
 from storage.catalog.manifests import Manifest, parse_delta_manifest
 from storage.patch.first_copy import CopyAsPatched, reflinks
@@ -385,12 +386,15 @@ def rebuild_offline(store: LocalStore, version: str, *, workers: int) -> Verifie
     for delta in chain.deltas:
         record = _memo_record(store, delta)
         folder = store.delta_dir(delta)
-        source = read_json_file(store.root / "deltas" / f"{delta}.source.json")
+        try:
+            source = read_source(store.root / "deltas" / f"{delta}.source.json")
+        except StoreError:  # refused: the artifact is downloaded again, not rebuilt from
+            source = None
         raw = (folder / "index.json").read_bytes() if (folder / "index.json").exists() else None
-        if record is None or raw is None or not isinstance(source, dict) or source.get("uri") != record.uri:
+        if record is None or raw is None or source is None or source.uri != record.uri:
             return None
         manifest = parse_delta_manifest(raw, record)
-        if set(manifest.files) - set(source.get("files") or {}):
+        if set(manifest.files) - set(source.files):
             return None
         manifests.append(manifest)
         folders[delta] = folder
@@ -402,13 +406,10 @@ def rebuild_offline(store: LocalStore, version: str, *, workers: int) -> Verifie
 
 
 def _memo_record(store: LocalStore, version: str) -> Revision | None:
-    try:
-        cached = read_json_file(store.catalog_dir / f"{version}.json")
-    except ValueError:  # a torn memo (written without fsync) is just missing
-        return None
-    if not isinstance(cached, dict) or not isinstance(cached.get("record"), dict):
+    memo = record_memo(store.catalog_dir / f"{version}.json")  # None if missing, torn or refused
+    if memo is None:
         return None
     try:
-        return parse_revision(cached["record"], version=version, model=store.model, file=cached.get("url", ""))
+        return parse_revision(memo.record, version=version, model=store.model, file=memo.url)
     except CatalogError:
         return None

@@ -14,11 +14,17 @@ import logging
 import os
 import threading
 from contextlib import contextmanager
+from dataclasses import asdict, field
 from pathlib import Path
 
-from storage.durable import atomic_write_bytes, atomic_write_json, file_identity, read_json_file, remove_tree
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
+
+from storage.durable import atomic_write_bytes, atomic_write_json, file_identity, remove_tree
 from storage.errors import StoreError
+from storage.jsonio.bounded_json import STORE_RECORD, read_record
 from storage.store.local_store import LocalStore
+from storage.store.records import Files
 
 log = logging.getLogger("canonical_refit.store")
 
@@ -63,6 +69,22 @@ def shard_bound(sizes: dict[str, int]) -> int:
     return header_bound(sizes) + sum(sizes.values())
 
 
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+class SourceRecord:
+    """Contents of ``full/{v}.source.json`` and ``deltas/{v}.source.json``. Strict, no unknown key (the store's
+    own cache record): a refused one is a source that differs, so its folder is wiped and downloaded again."""
+
+    uri: str  # the index URL, or ``seed:{absolute path}`` for a seeded launch snapshot
+    index_sha256: str | None
+    files: Files = field(default_factory=dict)  # completely downloaded and checked files: name -> [size, mtime_ns]
+
+
+def read_source(path: Path) -> SourceRecord | None:
+    """The source record at ``path``, or None if there is none; ``StoreError`` naming it if it is refused."""
+    return read_record(path, SourceRecord, STORE_RECORD, error=StoreError, missing_ok=True,
+                       hint="; the artifact's folder is wiped and downloaded again")
+
+
 @contextmanager
 def _typed(what: str, version: str, path: Path):
     """A local write that fails (ENOSPC on a full disk, EIO) is a ``StoreError`` naming the path."""
@@ -85,15 +107,20 @@ class ArtifactCache:
     def _source_path(self, kind: str, version: str) -> Path:
         return self.store.root / kind / f"{version}.source.json"
 
-    def source(self, kind: str, version: str) -> dict | None:
-        raw = read_json_file(self._source_path(kind, version))
-        return raw if isinstance(raw, dict) else None
+    def source(self, kind: str, version: str) -> SourceRecord | None:
+        """The folder's source record; None if there is none or it is refused (logged: the folder is then
+        wiped by ``open``)."""
+        try:
+            return read_source(self._source_path(kind, version))
+        except StoreError as exc:
+            log.warning("%s", exc)
+            return None
 
     def matches(self, kind: str, version: str, uri: str, index: bytes | None) -> bool:
         """True if the cached folder of ``version`` came from this very source (URI and index bytes)."""
         source = self.source(kind, version)
         index_sha = hashlib.sha256(index).hexdigest() if index is not None else None
-        return source is not None and source.get("uri") == uri and source.get("index_sha256") == index_sha
+        return source is not None and source.uri == uri and source.index_sha256 == index_sha
 
     def open(self, kind: str, version: str, uri: str, index: bytes | None) -> Path:
         """The folder for ``version`` from ``uri``; anything cached from another source is wiped.
@@ -125,9 +152,9 @@ class ArtifactCache:
 
     def complete_files(self, kind: str, version: str) -> set[str]:
         """Files of ``version`` that were fully downloaded and have not changed since."""
-        source = self.source(kind, version) or {}
+        source = self.source(kind, version)
         folder, out = self.folder(kind, version), set()
-        for name, recorded in (source.get("files") or {}).items():
+        for name, recorded in (source.files if source is not None else {}).items():
             try:
                 if file_identity(folder / name) == recorded:
                     out.add(name)
@@ -138,19 +165,20 @@ class ArtifactCache:
     def record(self, kind: str, version: str, name: str) -> None:
         """Note that ``name`` is complete (after its size and header were checked)."""
         with self._lock, _typed("record the downloaded file", version, self._source_path(kind, version)):
-            source = self.source(kind, version) or {}
-            files = dict(source.get("files") or {})
+            source = self.source(kind, version)
+            files = dict(source.files) if source is not None else {}
             files[name] = file_identity(self.folder(kind, version) / name)
-            atomic_write_json(self._source_path(kind, version), source | {"files": files})
+            atomic_write_json(self._source_path(kind, version),
+                              (asdict(source) if source is not None else {}) | {"files": files})
 
     def discard(self, kind: str, version: str, name: str) -> Path:
         """Drop a file that failed validation, and its record, so the next run downloads it again."""
         path = self.folder(kind, version) / name
         with self._lock:
             source = self.source(kind, version)
-            if source is not None and name in (source.get("files") or {}):
-                files = {k: v for k, v in source["files"].items() if k != name}
-                atomic_write_json(self._source_path(kind, version), source | {"files": files})
+            if source is not None and name in source.files:
+                files = {k: v for k, v in source.files.items() if k != name}
+                atomic_write_json(self._source_path(kind, version), asdict(source) | {"files": files})
             path.unlink(missing_ok=True)
         return path
 

@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+from storage.jsonio.bounded_json import STORE_RECORD, read_record
 from storage.jsonio.canonical import canonical_json
-from storage.durable import atomic_write_json, copy_file, fsync_dir, read_json_file, remove_tree
+from storage.durable import atomic_write_json, copy_file, fsync_dir, remove_tree
 from storage.errors import StoreError
+
+log = logging.getLogger("canonical_refit.store")
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 FOLDER, RECORD = "launch-files", "launch-files.json"
@@ -43,12 +50,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class LaunchFiles:
-    """The launch snapshot's non-weight files the store keeps: ``{name: [size, sha256]}`` and their digest."""
+    """The launch snapshot's non-weight files the store keeps: ``{name: [size, sha256]}`` and their digest.
+
+    Also the strict record of ``launch-files.json`` (``{"version", "files"}``): a field of the wrong type or
+    an unknown key is refused; the file is this store's own, and a refused one is only captured again."""
 
     version: str
-    files: dict
+    files: dict[str, Annotated[tuple[int, str], Field(strict=False)]]  # a JSON [size, sha256 hex], as a tuple
 
     @property
     def digest(self) -> str:
@@ -113,16 +123,23 @@ def non_weight_files(folder: Path) -> list[Path]:
 
 
 def kept(root: Path) -> LaunchFiles | None:
-    """The launch files the store at ``root`` keeps, or None (a store seeded before they were kept)."""
+    """The launch files the store at ``root`` keeps, or None (a store seeded before they were kept, or whose
+    record is refused: logged, and captured again at the next seed)."""
+    launch = read_launch_record(root)
+    if launch is None or not all((root / FOLDER / name).is_file() for name in launch.files):
+        return None
+    return launch
+
+
+def read_launch_record(root: Path) -> LaunchFiles | None:
+    """``launch-files.json`` of the store at ``root`` as its strict record, or None if it is missing or refused
+    (torn, hostile: the ``StoreError`` naming the file is logged; the next seed captures the files again)."""
     try:
-        raw = read_json_file(root / RECORD)
-    except ValueError:
-        raw = None  # a torn record: captured again at the next seed
-    if not isinstance(raw, dict) or not isinstance(raw.get("files"), dict):
+        return read_record(root / RECORD, LaunchFiles, STORE_RECORD, error=StoreError, missing_ok=True,
+                           hint="; the launch snapshot's files are captured again at the next seed")
+    except StoreError as exc:
+        log.warning("ignoring the store's record of the launch files: %s", exc)
         return None
-    if not all((root / FOLDER / name).is_file() for name in raw["files"]):
-        return None
-    return LaunchFiles(str(raw.get("version")), {k: tuple(v) for k, v in raw["files"].items()})
 
 
 def capture(root: Path, snapshot: Path, version: str) -> LaunchFiles:

@@ -40,10 +40,11 @@ from typing import Callable
 
 from storage.store import launch_files
 from storage.durable import (
-    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, read_json_file,
-    remove_tree, tree_size,
+    atomic_write_json, boot_id, folder_identity, fsync_dir, fsync_files, is_temp_of_other_process, remove_tree,
+    tree_size,
 )
 from storage.errors import Cancelled, InstallError, Interrupted, RefitError, StoreError
+from storage.jsonio import bounded_json
 from storage.runtime.killpoints import killpoint
 from storage.store.capacity import RESERVE_FLOOR_BYTES, StoreCapacity  # noqa: F401  (re-exported)
 from storage.store.layout import (  # noqa: F401  (re-exported: the layout was part of this module)
@@ -51,8 +52,8 @@ from storage.store.layout import (  # noqa: F401  (re-exported: the layout was p
 )
 from storage.store.locks import StoreLock  # noqa: F401  (re-exported)
 from storage.store.records import (  # noqa: F401  (the records are part of the store's interface)
-    READY, UPDATING, ActiveIdentity, Chain, PoisonedMark, StoreState, VerifiedCheckpoint, now_ms, read_record,
-    store_folder_name,
+    READY, UPDATING, ActiveIdentity, Chain, FlushedMark, PoisonedMark, StoreState, VerifiedCheckpoint, now_ms,
+    read_record, store_folder_name,
 )
 
 log = logging.getLogger("canonical_refit.store")
@@ -200,10 +201,12 @@ class LocalStore(StoreCapacity):
 
     def _flushed_mark(self, version: str) -> dict | None:
         try:
-            raw = read_json_file(self._flushed_path(version))
-        except ValueError:  # a torn mark: it vouches for nothing
+            mark = bounded_json.read_record(self._flushed_path(version), FlushedMark, bounded_json.STORE_RECORD,
+                                            error=StoreError, missing_ok=True, hint="; it vouches for nothing")
+        except StoreError as exc:  # torn or hostile: the checkpoint is re-hashed after a restart, as if unflushed
+            log.warning("%s", exc)
             return None
-        return raw.get("files") if isinstance(raw, dict) else None
+        return None if mark is None else mark.files
 
     def point_at(self, record: VerifiedCheckpoint) -> None:
         """READY → READY(v): make an intact verified checkpoint the current one (no bytes change)."""

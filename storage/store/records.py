@@ -109,6 +109,14 @@ class Chain:
     deltas: Names = ()
 
 
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+class FlushedMark:
+    """Contents of ``flushed/{v}.json``: the file identity whose bytes were written back to disk. Strict, no
+    unknown key: a mark vouches for durability, so one this version cannot read whole vouches for nothing."""
+
+    files: Files
+
+
 def store_folder_name(model: str) -> str:
     return model.replace("/", "--")
 
