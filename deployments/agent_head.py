@@ -85,13 +85,14 @@ class HeadCheck:
 
     def _create_refit(self, client, installed: str | None, version: str, why: str):
         """The loop's one refit run for the desired ``version``: of the publications' deployment with that target
-        (without one configured: of refit-latest); the idempotency key names this process, the versions and
-        the retry, so a request the client re-sends makes no second run."""
+        (without one configured: of refit-latest). Its idempotency key names this process, the versions and the
+        runs it executed so far: until one more run was executed, asking again (a re-delivered event, a request
+        the client re-sends) gives the same run, not a second one."""
         name = self._run_name(f"{installed or 'none'} -> {version}")
         if self.publications is None or self._refit_id is None:
             return self._create_latest(client, why, name)
         self.stats.api_requests += 1
-        key = f"{self.identity} {installed or 'none'} -> {version} #{self.stats.catch_ups}"
+        key = f"{self.identity} {installed or 'none'} -> {version} after {self.stats.runs} run(s)"
         run = client.create_flow_run_from_deployment(
             self._refit_id, parameters=self.publications.parameters(version), name=name,
             tags=[node_tag(self.node)] if self.node else None, idempotency_key=key)

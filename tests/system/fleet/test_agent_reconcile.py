@@ -57,7 +57,7 @@ def agent_with(catalog: Catalog, monkeypatch) -> NodeAgent:
 
 
 def test_a_burst_of_events_wakes_one_check_that_creates_one_run_for_the_newest(monkeypatch):
-    catalog, client = Catalog(head="r1", installed="r1"), Client()
+    catalog, client = Catalog(head="r4", installed="r1"), Client()  # r2, r3 and r4 published, r1 installed
     agent = agent_with(catalog, monkeypatch)
     agent._next_head_check = time.monotonic() + 3600  # the timer is an hour away: only an event wakes a check
     assert not agent._check_due()
@@ -75,6 +75,9 @@ def test_a_burst_of_events_wakes_one_check_that_creates_one_run_for_the_newest(m
     agent._hear("r4")  # delivered again, and a late one for an older version: no check, no run
     agent._hear("r2")
     assert not agent._check_due() and len(client.created) == 1 and agent.stats.heard == 5
+    agent._check_head(client, [])  # even if the timer checks before the run is executed: the same request again
+    assert client.created[1]["idempotency_key"] == run["idempotency_key"]  # which the server answers with that run
+    del client.created[1]
 
     catalog.version = catalog.head = "r4"  # the run got there; a new publication is heard: checked at once
     agent._hear("r5")
