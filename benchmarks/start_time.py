@@ -17,6 +17,14 @@ imported (one untimed ``-X importtime`` run each). ``python -c pass`` and
 ``import pydantic_settings`` are timed beside them for context (not judged). ``--tree`` times another
 checkout's commands (a version before a change, say). Writes JSON under
 ``benchmarks/results/``.
+
+Every command runs with the bytecode cache a user's installation has: the
+untimed warm-up run writes it into a fresh folder of its own
+(``PYTHONPYCACHEPREFIX``), even where ``PYTHONDONTWRITEBYTECODE`` is set (a
+CI or sandbox setting; with it, each run compiled the checkout's own modules
+again, about a third of a quick command's time, while NumPy's came compiled).
+The earlier figures in docs/benchmarks.md were taken that way: compare a
+change with ``--tree`` in the same run.
 """
 
 from __future__ import annotations
@@ -92,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     tree = args.tree.resolve()
     work = Path(tempfile.mkdtemp(prefix="canonical-refit-start-"))
     (work / "catalog").mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CANONICAL_REFIT_", "PREFECT_"))}
-    env.update(PREFECT_HOME=str(work / "prefect-home"), PYTHONPATH=str(tree), DO_NOT_TRACK="1")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CANONICAL_REFIT_", "PREFECT_")) and k != "PYTHONDONTWRITEBYTECODE"}
+    env.update(PREFECT_HOME=str(work / "prefect-home"), PYTHONPATH=str(tree), DO_NOT_TRACK="1",
+               PYTHONPYCACHEPREFIX=str(work / "bytecode"))  # written by the warm-up run, read by the timed ones
     listed = commands(work)
     for _, command, expected in listed:  # warm the page cache and the bytecode; not timed
         timed(command, tree, env, expected)
