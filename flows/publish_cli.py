@@ -45,11 +45,6 @@ def cli_error(exc: RefitError) -> str:
 
 def orphans_main(argv: list[str]) -> int:
     """``python -m flows.publish orphans``: list (or ``--delete``) payloads no record references."""
-    from storage.catalog.orphans import find_orphans
-    from storage.catalog.records import Catalog
-    from storage.objects.store import ObjectStore
-    from storage.settings import ObjectStoreSettings
-
     parser = argparse.ArgumentParser(prog="python -m flows.publish orphans", description=(
         "List the payload folders no catalog record references (left by publishers that crashed before their "
         "record) and older than a grace period; --delete reclaims them."))
@@ -60,6 +55,11 @@ def orphans_main(argv: list[str]) -> int:
     parser.add_argument("--delete", action="store_true", help="delete the orphaned folders")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
+    from storage.catalog.orphans import find_orphans  # the catalog and object-store stack: not for --help
+    from storage.catalog.records import Catalog
+    from storage.objects.store import ObjectStore
+    from storage.settings import ObjectStoreSettings
+
     values = given(args, ORPHANS_FLAGS)
     storage = build(ObjectStoreSettings, values.get("storage", {}))
     objects = ObjectStore.shared(storage)

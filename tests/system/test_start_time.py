@@ -6,8 +6,11 @@ Prefect modules a command loaded are read from there (whatever thread
 imported them, even when the command ends with ``os._exit``). ``--help`` of
 every entry point, ``status``, ``recover`` (installer ``none`` or ``sglang``:
 it talks to the engines over HTTP), ``activate``, ``flows.fleet status`` and
-``import flows.api`` load none; a refit loads Prefect and its flow run
-works (also ``tests/system/test_receiver_cli.py``: the demo and the JSON CLI runs),
+``import flows.api`` load none, nor the heavy libraries a command needs only when
+it moves bytes or talks to a server (``HEAVY``: pydantic-settings, fsspec and
+the S3 stack, the codecs and digests, NumPy, httpx, asyncio; ``flows.fleet
+status`` reads its records through fsspec, and only that); a refit loads
+Prefect and its flow run works (also ``tests/system/test_receiver_cli.py``: the demo and the JSON CLI runs),
 with Prefect's environment defaults set before Prefect was imported
 (``flows.bootstrap``). How fast they start is measured by
 ``python -m benchmarks.start_time``, run here once as a command.
@@ -28,48 +31,57 @@ from tests.support.sglang_mock import MockSGLang
 from tests.support.sglang_support import engine_env, fake_sglang  # noqa: F401  (fixture)
 from storage.store.local_store import LocalStore
 
+HEAVY = ("pydantic_settings", "fsspec", "s3fs", "aiobotocore", "botocore", "aiohttp", "zstandard", "xxhash", "blake3",
+         "isal", "numpy", "httpx", "asyncio", "cryptography", "safetensors", "torch")
 HELP = ["flows.refit", "flows.refit status", "flows.refit recover", "flows.refit activate", "flows.publish",
         "flows.publish orphans", "flows.publish keygen", "flows.fleet", "flows.fleet status", "flows.fleet wait",
         "flows.fleet forget", "deployments.serve", "flows.local_server", "flows.local_server status"]
 
 
 def run(args: list[str], env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[str]]:
-    """Run ``python -X importtime ARGS``; the finished process (its stderr without the import lines) and the
-    Prefect modules it imported."""
+    """Run ``python -X importtime ARGS``; the finished process (its stderr without the import lines; ``.heavy``:
+    the ``HEAVY`` packages it imported) and the Prefect modules it imported."""
     done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True,
                           cwd=ROOT_DIR, env=env, timeout=timeout)
     lines = done.stderr.splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
     done.stderr = "\n".join(line for line in lines if not line.startswith("import time:"))
+    done.heavy = sorted(m for m in imported if m in HEAVY)
     assert any(m.split(".")[0] in ("flows", "deployments") for m in imported), "no import lines read"
     return done, sorted(m for m in imported if m.split(".")[0] == "prefect")
 
 
 @pytest.mark.parametrize("command", HELP)
-def test_every_help_starts_without_prefect(command):
+def test_every_help_starts_without_prefect_or_the_heavy_libraries(command):
     module, *sub = command.split()
     done, prefect = run(["-m", module, *sub, "--help"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("usage: python -m ") and " ".join(command.split()) in done.stdout.splitlines()[0]
     assert prefect == []
+    assert done.heavy == ([] if command != "flows.publish keygen" else ["cryptography"])  # keygen's: the key types
 
 
-def test_the_python_api_imports_without_prefect(tmp_path):
+def test_the_python_api_imports_without_prefect_or_the_heavy_libraries(tmp_path):
     done, prefect = run(["-c", "import json, flows.api as api; "
                                f"print(json.dumps(api.status(model='org/m', cache_dir={str(tmp_path)!r})))"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["state"] is None
-    assert prefect == []
+    assert prefect == [] and done.heavy == []
+    done, prefect = run(["-c", "import flows.api as api; print(api.Revision.__name__, api.FleetView.__name__)"])
+    assert done.returncode == 0 and done.stdout.split() == ["Revision", "FleetView"], done.stderr[-2000:]
 
 
-def test_an_empty_store_and_an_empty_fleet_answer_without_prefect(tmp_path):
+def test_an_empty_store_and_an_empty_fleet_answer_without_prefect_or_the_heavy_libraries(tmp_path):
     done, prefect = run(["-m", "flows.refit", "status", "--model", "org/m", "--cache-dir", str(tmp_path)])
-    assert done.returncode == 1 and "no store for org/m" in done.stderr and prefect == []
+    assert done.returncode == 1 and "no store for org/m" in done.stderr and prefect == [] and done.heavy == []
+    done, prefect = run(["-m", "flows.refit", "recover", "--model", "org/m", "--cache-dir", str(tmp_path)])
+    assert done.returncode == 1 and prefect == [] and done.heavy == [], done.stdout + done.stderr[-2000:]
     (tmp_path / "catalog").mkdir()
     done, prefect = run(["-m", "flows.fleet", "status", "--catalog", f"file://{tmp_path}/catalog", "--model",
                          "org/m", "--json"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["nodes"] == [] and prefect == []
+    assert set(done.heavy) <= {"fsspec", "asyncio", "isal", "zstandard"}, done.heavy  # fsspec's own, no S3 stack
 
 
 @pytest.fixture
