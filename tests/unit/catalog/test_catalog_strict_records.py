@@ -15,6 +15,7 @@ import json
 import logging
 
 import pytest
+from tests.support.logs import emitted
 
 from storage.catalog.claims import ClaimMemo, HeadHint, HeadMemo, SequenceClaim
 from storage.catalog.kept_base import KeptRecord, PublisherCopy
@@ -119,16 +120,16 @@ def test_a_malformed_memo_is_refused_by_its_model_and_the_catalog_still_answers(
     ({"model": MODEL, "sequence": 3, "schema": 1}, "schema"),
     ({"model": MODEL, "sequence": 10**12}, "sequence"),
 ])
-def test_a_malformed_head_hint_is_refused_and_ignored(catalog, tmp_path, caplog, hint, field):
+def test_a_malformed_head_hint_is_refused_and_ignored(catalog, tmp_path, hint, field):
     path = tmp_path / "catalog" / "hints" / "head.json"
     path.write_bytes(canonical_json(hint))
     with pytest.raises(CatalogError) as caught:
         load_record(path.read_bytes(), HeadHint, RECORD, error=CatalogError, file=catalog.head_hint_url)
     assert caught.value.file == catalog.head_hint_url and caught.value.field == field
-    with caplog.at_level(logging.WARNING, "canonical_refit.catalog"):
+    with emitted("canonical_refit.catalog", logging.WARNING) as logged:
         fresh = Catalog(ObjectStore(), catalog.url, MODEL)
         assert fresh.latest().version == "r3" and fresh.quarantined == {}
-    assert f"ignoring the catalog's head hint {catalog.head_hint_url}" in caplog.text and field in caplog.text
+    assert f"ignoring the catalog's head hint {catalog.head_hint_url}" in _text(logged) and field in _text(logged)
 
 
 def test_a_head_hint_with_a_newer_writers_key_is_still_used(catalog):
@@ -147,14 +148,14 @@ def test_a_head_hint_with_a_newer_writers_key_is_still_used(catalog):
     ({"model": MODEL, "sequence": 3, "version": "r3", "publication": 7}, "publication"),
     ({"model": "org/other", "sequence": 3, "version": "r3", "publication": "token"}, "model"),
 ])
-def test_a_malformed_claim_is_skipped_by_readers_and_refused_to_a_publisher(catalog, tmp_path, caplog, claim,
+def test_a_malformed_claim_is_skipped_by_readers_and_refused_to_a_publisher(catalog, tmp_path, claim,
                                                                            field):
     path = tmp_path / "catalog" / "sequences" / "000000000003.json"
     url = catalog.claim_url(3)
     path.write_bytes(canonical_json(claim))
-    with caplog.at_level(logging.WARNING, "canonical_refit.catalog"):
+    with emitted("canonical_refit.catalog", logging.WARNING) as logged:
         assert Catalog(ObjectStore(), catalog.url, MODEL).latest().version == "r2"  # claim 3 names no record
-    assert f"ignoring sequence claim {url}" in caplog.text and f"field {field!r}" in caplog.text
+    assert f"ignoring sequence claim {url}" in _text(logged) and f"field {field!r}" in _text(logged)
     if field != "model":  # the publisher's create-only write meets it: the typed error names the claim
         with pytest.raises(CatalogError) as caught:
             Catalog(ObjectStore(), catalog.url, MODEL).claim_sequence(3, "r9", "another")
@@ -198,3 +199,7 @@ def test_a_malformed_kept_base_record_is_refused_naming_it(tmp_path, contents, f
     error = caught.value
     assert error.local_file == str(kept.record_path) and error.field == field
     assert "base_checkpoint=" in str(error) and 'kind="full"' in str(error)
+
+
+def _text(records: list[logging.LogRecord]) -> str:
+    return "\n".join(record.getMessage() for record in records)
