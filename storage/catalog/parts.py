@@ -19,8 +19,12 @@ parts and objects that no record references.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Annotated
 
-from storage.jsonio.bounded_json import PART, RECORD, load_json
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as strict_dataclass
+
+from storage.jsonio.bounded_json import PART, RECORD, load_record
 from storage.jsonio.canonical import canonical_json
 from storage.errors import CatalogError, ObjectNotFound
 from storage.format.digests import format_digest, snapshot_digest
@@ -30,9 +34,13 @@ from storage.urls import join_url
 PLAN_SCHEMA = "canonical-refit.publication-plan.v1"
 PART_SCHEMA = "canonical-refit.publication-part.v1"
 MAX_PART_BYTES = PART.max_bytes  # 64 MiB; a plan is a RECORD (1 MiB): storage.jsonio.bounded_json
+# The ranks of one publication run this program: a key a rank does not know refuses the plan or part (the
+# publication fails naming it) rather than being silently dropped.
+STRICT = ConfigDict(strict=True, extra="forbid")
+Layout = Annotated[tuple[str, Annotated[tuple[int, ...], Field(strict=False)]], Field(strict=False)]
 
 
-@dataclass(frozen=True)
+@strict_dataclass(frozen=True, config=STRICT)
 class PublicationPlan:
     """What every rank publishes into: the revision's identity, its base and how it is encoded."""
 
@@ -50,18 +58,18 @@ class PublicationPlan:
     schema: str = PLAN_SCHEMA
 
 
-@dataclass(frozen=True)
+@strict_dataclass(frozen=True, config=STRICT)
 class PublicationPart:
     """One rank's share: the layout and checksum of each of its tensors, and the payload files it uploaded."""
 
     rank: int
-    layout: dict  # name -> [dtype, shape]
-    checksums: dict  # name -> checksum of the target tensor (changed or not)
-    weight_map: dict = field(default_factory=dict)  # name -> file (changed tensors of a delta; all of a full)
-    files: dict = field(default_factory=dict)  # file -> size in bytes
+    layout: dict[str, Layout]  # name -> [dtype, shape]
+    checksums: dict[str, str]  # name -> checksum of the target tensor (changed or not)
+    weight_map: dict[str, str] = field(default_factory=dict)  # name -> file (changed tensors of a delta; all of a full)
+    files: dict[str, int] = field(default_factory=dict)  # file -> size in bytes
     decoded_bytes: int = 0
     encoded_bytes: int = 0
-    base_checksums: dict = field(default_factory=dict)  # a delta's: its tensors' checksums in the base it encoded against
+    base_checksums: dict[str, str] = field(default_factory=dict)  # a delta's: checksums in the base it encoded against
     schema: str = PART_SCHEMA
 
 
@@ -81,11 +89,7 @@ def read_plan(objects: ObjectStore, catalog_url: str, publication: str) -> Publi
         data = objects.read_bytes(url, max_size=RECORD.max_bytes)
     except ObjectNotFound:
         return None
-    raw = load_json(data, RECORD, error=CatalogError, expect=dict, file=url)
-    try:
-        plan = PublicationPlan(**raw)
-    except TypeError as exc:
-        raise CatalogError(f"the publication plan is malformed: {exc}", file=url) from None
+    plan = load_record(data, PublicationPlan, RECORD, error=CatalogError, file=url)
     if plan.schema != PLAN_SCHEMA or plan.publication != publication:
         raise CatalogError("the publication plan is for another schema or publication", file=url, field="schema")
     return plan
@@ -108,12 +112,8 @@ def read_parts(objects: ObjectStore, catalog_url: str, plan: PublicationPlan) ->
         if not name.startswith("part-"):
             continue
         url = join_url(base, name)
-        raw = load_json(objects.read_bytes(url, max_size=MAX_PART_BYTES), PART, error=CatalogError, expect=dict,
-                        revision=plan.version, file=url)
-        try:
-            part = PublicationPart(**raw)
-        except TypeError as exc:
-            raise CatalogError(f"a publication part is malformed: {exc}", revision=plan.version, file=url) from None
+        part = load_record(objects.read_bytes(url, max_size=MAX_PART_BYTES), PublicationPart, PART,
+                           error=CatalogError, revision=plan.version, file=url)
         if part.schema != PART_SCHEMA or name != part_name(part.rank) or not 0 <= part.rank < plan.world_size:
             raise CatalogError("a publication part names another rank or schema", revision=plan.version, file=url)
         parts[part.rank] = part

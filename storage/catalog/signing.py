@@ -22,13 +22,16 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Literal
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from storage.jsonio.bounded_json import RECORD, load_json
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
+
+from storage.jsonio.bounded_json import RECORD, load_json, parse_record
 from storage.jsonio.canonical import canonical_json
 from storage.durable import create_only_write
 from storage.errors import SignatureError
@@ -39,6 +42,16 @@ __all__ = ["RecordSigner", "RecordVerifier", "signed_bytes", "key_id", "raw_publ
 
 SIGNATURE_FIELD = "signature"
 ALGORITHM = "ed25519"
+
+
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="ignore"))
+class Signature:
+    """The ``signature`` object of a signed record (docs/format.md, 4.10). A key it does not know is ignored:
+    it is part of a catalog record, which any publisher (a newer one, another implementation) writes."""
+
+    alg: Literal["ed25519"]
+    key_id: str
+    sig: str
 PRIVATE_KEY_FILE = "catalog-signing-key.pem"
 PUBLIC_KEY_FILE = "catalog-signing-key.pub.pem"
 
@@ -125,17 +138,19 @@ class RecordVerifier:
         if signature is None:
             raise SignatureError(f"record is not signed; this node accepts only records signed by a trusted key "
                                  f"({trusted})", revision=revision, file=file, field=SIGNATURE_FIELD)
-        if (not isinstance(signature, dict) or signature.get("alg") != ALGORITHM
-                or not isinstance(signature.get("key_id"), str) or not isinstance(signature.get("sig"), str)):
-            raise SignatureError(f"signature is not an object with alg {ALGORITHM!r}, key_id and sig strings",
-                                 revision=revision, file=file, field=SIGNATURE_FIELD)
-        key = self.keys.get(signature["key_id"])
+        try:
+            signature = parse_record(Signature, signature, error=SignatureError)
+        except SignatureError as exc:
+            where = SIGNATURE_FIELD if exc.field is None else f"{SIGNATURE_FIELD}.{exc.field}"
+            raise SignatureError(f"signature is not an object with alg {ALGORITHM!r}, key_id and sig strings "
+                                 f"({exc.reason})", revision=revision, file=file, field=where) from None
+        key = self.keys.get(signature.key_id)
         if key is None:
-            raise SignatureError(f"record is signed by key {signature['key_id'][:64]!r}, which this node does not "
+            raise SignatureError(f"record is signed by key {signature.key_id[:64]!r}, which this node does not "
                                  f"trust (trusted: {trusted})", revision=revision, file=file,
                                  field=f"{SIGNATURE_FIELD}.key_id")
         try:
-            sig = base64.b64decode(signature["sig"], validate=True)
+            sig = base64.b64decode(signature.sig, validate=True)
         except (binascii.Error, ValueError):
             sig = b""
         if len(sig) != 64:
@@ -144,7 +159,7 @@ class RecordVerifier:
         try:
             key.verify(sig, signed_bytes(document))
         except InvalidSignature:
-            raise SignatureError(f"signature by key {signature['key_id']} does not match the record: it was "
+            raise SignatureError(f"signature by key {signature.key_id} does not match the record: it was "
                                  "altered after signing", revision=revision, file=file,
                                  field=SIGNATURE_FIELD) from None
         return document

@@ -18,9 +18,13 @@ import pytest
 from tests.support.logs import emitted
 
 from storage.catalog.claims import ClaimMemo, HeadHint, HeadMemo, SequenceClaim
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from storage.catalog import signing
 from storage.catalog.kept_base import KeptRecord, PublisherCopy
+from storage.catalog.parts import PublicationPart, PublicationPlan, read_parts, read_plan, write_part, write_plan
 from storage.catalog.records import Catalog, RecordMemo, Revision
-from storage.errors import CatalogError, StoreError
+from storage.errors import CatalogError, SignatureError, StoreError
 from storage.jsonio.bounded_json import RECORD, STORE_RECORD, load_record, read_record
 from storage.jsonio.canonical import canonical_json
 from storage.objects.store import ObjectStore
@@ -200,6 +204,65 @@ def test_a_malformed_kept_base_record_is_refused_naming_it(tmp_path, contents, f
     assert error.local_file == str(kept.record_path) and error.field == field
     assert "base_checkpoint=" in str(error) and 'kind="full"' in str(error)
 
+
+
+PLAN = {"base_digest": None, "base_version": None, "checksum_format": "adler32", "encoding": None, "kind": "full",
+        "level": None, "payload_url": "s3://bucket/payload/r1.0123456789ab", "publication": "pub-1",
+        "schema": "canonical-refit.publication-plan.v1", "sequence": 1, "version": "r1", "world_size": 2}
+PART = {"base_checksums": {}, "checksums": {"w": "00000001"}, "decoded_bytes": 8, "encoded_bytes": 8,
+        "files": {"rank00001-model.safetensors": 100}, "layout": {"w": ["F32", [2]]}, "rank": 1,
+        "schema": "canonical-refit.publication-part.v1", "weight_map": {"w": "rank00001-model.safetensors"}}
+
+
+def test_a_publication_plan_and_part_as_written_today_parse(tmp_path):
+    objects, url = ObjectStore(), f"file://{tmp_path}/catalog"
+    write_plan(objects, url, PublicationPlan(**PLAN))
+    write_part(objects, url, "pub-1", PublicationPart(**PART))
+    folder = tmp_path / "catalog" / "publications" / "pub-1"
+    assert json.loads((folder / "plan.json").read_text()) == PLAN
+    assert json.loads((folder / "part-00001.json").read_text()) == PART
+    plan = read_plan(objects, url, "pub-1")
+    assert plan == PublicationPlan(**PLAN)
+    assert read_parts(objects, url, plan)[1].layout == {"w": ("F32", (2,))}
+
+
+@pytest.mark.parametrize("name, contents, field", [
+    ("plan.json", PLAN | {"sequence": "1"}, "sequence"),
+    ("plan.json", PLAN | {"world_size": None}, "world_size"),
+    ("plan.json", {k: v for k, v in PLAN.items() if k != "kind"}, "kind"),
+    ("plan.json", PLAN | {"trainer": "t0"}, "trainer"),
+    ("part-00001.json", PART | {"layout": {"w": ["F32", ["2"]]}}, "layout.w.1.0"),
+    ("part-00001.json", PART | {"files": {"rank00001-model.safetensors": 1.5}}, "files.rank00001-model.safetensors"),
+    ("part-00001.json", PART | {"checksums": {"w": 1}}, "checksums.w"),
+    ("part-00001.json", PART | {"uploaded_at": 1}, "uploaded_at"),
+])
+def test_a_malformed_plan_or_part_is_refused_naming_it(tmp_path, name, contents, field):
+    objects, url = ObjectStore(), f"file://{tmp_path}/catalog"
+    folder = tmp_path / "catalog" / "publications" / "pub-1"
+    folder.mkdir(parents=True)
+    (folder / "plan.json").write_bytes(canonical_json(PLAN))
+    (folder / name).write_bytes(canonical_json(contents))
+    with pytest.raises(CatalogError) as caught:
+        read_parts(objects, url, read_plan(objects, url, "pub-1"))
+    assert caught.value.file == f"{url}/publications/pub-1/{name}" and caught.value.field == field
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"key_id": 7}, "signature.key_id"),
+    ({"sig": None}, "signature.sig"),
+    ({"alg": "rsa"}, "signature.alg"),
+])
+def test_a_malformed_signature_object_is_refused_naming_the_record_and_the_field(change, field):
+    record = _record("r0", 0)
+    signed = signing.RecordSigner(Ed25519PrivateKey.generate()).sign(record)
+    verifier = signing.RecordVerifier([Ed25519PrivateKey.generate().public_key()])
+    document = signed | {"signature": signed["signature"] | change}
+    with pytest.raises(SignatureError) as caught:
+        verifier(canonical_json(document), revision="r0", file="s3://b/catalog/r0.json")
+    assert (caught.value.file, caught.value.field) == ("s3://b/catalog/r0.json", field)
+    newer = signed | {"signature": signed["signature"] | {"made_by": "a newer publisher"}}  # ignored: not trusted
+    with pytest.raises(SignatureError, match="does not trust"):
+        verifier(canonical_json(newer), revision="r0", file="s3://b/catalog/r0.json")
 
 def _text(records: list[logging.LogRecord]) -> str:
     return "\n".join(record.getMessage() for record in records)
