@@ -311,3 +311,43 @@ class ValidatedFrame:
     ordered: bool = True
     positions_bytes: int | None = None
     complete: bool = True
+
+
+_FCS_BYTES = np.array([1, 2, 4, 8], dtype=np.int64)
+
+
+def plain_xor_frames(data: np.ndarray, starts: np.ndarray, ends: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """For each frame ``data[starts[i]:ends[i]]`` of a dense ``xor`` delta of a tensor of ``nbytes[i]`` (> 0):
+    True where it is, by its headers alone, one single-segment zstd frame of one raw or compressed block that
+    declares exactly ``nbytes[i]`` decoded bytes and ends where its block (and checksum) end.
+
+    One pass of array operations over a bucket's frames. A frame marked True is one ``inspect_frame`` accepts
+    and ``check_frame("xor", ...)`` summarises as ``ValidatedFrame("xor", nbytes, size)``; a frame marked False
+    is merely not of this common shape (``check_frame`` then decides, and names any problem).
+    """
+    n = starts.size
+    size = ends - starts
+    ok = (size >= 9) & (nbytes > 0)
+    last = data.size - 1
+    at = np.where(ok, starts, 0)
+
+    def byte(offset) -> np.ndarray:
+        return data[np.minimum(at + offset, last)].astype(np.int64)
+
+    magic = byte(0) | byte(1) << 8 | byte(2) << 16 | byte(3) << 24
+    fhd = byte(4)
+    ok &= (magic == ZSTD_MAGIC) & ((fhd & 0x3B) == 0x20)  # single segment, no dictionary, reserved bits clear
+    width = _FCS_BYTES[fhd >> 6]
+    content = np.zeros(n, dtype=np.int64)
+    for k in range(8):  # little-endian, ``width`` bytes from offset 5
+        content |= np.where(k < width, byte(5 + k), 0) << (8 * k)
+    content += np.where(width == 2, 256, 0)
+    ok &= (width < 8) | (content >= 0)
+    head = 5 + width
+    block = byte(head) | byte(head + 1) << 8 | byte(head + 2) << 16
+    kind, length = (block >> 1) & 3, block >> 3
+    body = np.where(kind == 1, 1, length)
+    ok &= (block & 1 == 1) & ((kind == 0) | (kind == 2)) & (length <= np.minimum(nbytes, BLOCK_SIZE_MAX))
+    ok &= content == nbytes
+    ok &= head + 3 + body + np.where(fhd & 4 != 0, 4, 0) == size
+    return ok

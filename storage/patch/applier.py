@@ -31,6 +31,7 @@ from storage.format.frames import SMALL_FRAME, decode_small
 from storage.format.digests import checksum_bytes, new_checksum
 from storage.errors import ChecksumMismatch
 from storage.runtime.killpoints import killpoint
+from storage.patch.tiny import apply_batch
 from storage.format.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
 
 if TYPE_CHECKING:
@@ -297,15 +298,20 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
     written, a page no step changes never written, ``Progress`` kept for undo), without its per-block
     machinery: each frame is decoded in one call, the tensor's view is a slice of its shard's mapping, and
     the small ranges to drop are handed over once for the batch. ``halt`` is checked once per batch (a batch
-    is at most ``TINY_BATCH`` tensors under ``SMALL``: no more bytes than one block of a large tensor). A
+    is at most ``TINY_BYTES`` of tensors under ``SMALL``: no more bytes than one block of a large tensor). A
     frame that does not decode cleanly goes through ``fallback`` (``apply_tensor``), which names the problem.
+    Tensors of one delta each (a steady refit) go through ``storage.patch.tiny.apply_batch`` together.
     """
+    if states:
+        halt.check(tensor=states[0].plan.location.name, mutation_started=True)
+    if len(states) > 1 and all(len(s.plan.steps) == 1 for s in states):  # one delta (a steady refit)
+        done = apply_batch(maps, states, target_format)
+        if done is not None:
+            return done
     out: list[str] = []
     releases: list[tuple[int, int, int]] = []  # (id(view), start, end) of the small ranges to drop
     views: dict[int, np.ndarray] = {}
     shards = maps.shards
-    if states:
-        halt.check(tensor=states[0].plan.location.name, mutation_started=True)
     try:
         for state in states:
             plan = state.plan

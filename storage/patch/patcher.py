@@ -18,59 +18,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Mapping, Protocol, Sequence
 
 from storage.patch.applier import SMALL, Maps, Progress, apply_tensor, apply_tiny, is_tiny, undo
 from storage.runtime.cancel import StopToken
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
-from storage.format.codec import ValidatedFrame, check_frame
-from storage.format.digests import is_checksum
-from storage.errors import Cancelled, CodecError, ManifestError, RefitError
+from storage.errors import Cancelled, CodecError, RefitError
 from storage.catalog.manifests import Manifest
-from storage.format.mapped import MappedFiles
-from storage.format.safetensors import read_header
-from storage.runtime.gc_pause import gc_paused, gc_paused_call
+from storage.patch.buckets import PatchStep, TensorPlan, bucket_steps, tensor_plan  # noqa: F401  (re-exported)
+from storage.runtime.gc_pause import gc_paused
 
 log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
 MIN_FOLD_BLOCK = 2**20
-TINY_BATCH = 64  # tensors an apply worker takes at once: tiny ones are patched together (applier.apply_tiny)
-
-
-@dataclass(frozen=True)
-class PatchStep:
-    """One revision's frame for one tensor: where it lies and what it must hash to."""
-
-    revision: str
-    encoding: str
-    bucket: Path
-    bucket_uri: str
-    start: int
-    end: int
-    checksum: str
-    checksum_format: str
-    validated: ValidatedFrame | None = None  # what bucket_steps checked of the frame (its structure)
-
-    def context(self, tensor: str) -> dict:
-        return {"revision": self.revision, "file": self.bucket_uri, "tensor": tensor}
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """Every step to apply to one tensor, oldest revision first."""
-
-    location: TensorLocation
-    steps: tuple[PatchStep, ...]
-
-
-def tensor_plan(location: TensorLocation, steps: tuple[PatchStep, ...]) -> TensorPlan:
-    """``TensorPlan(location, steps)`` without the frozen dataclass's per-field ``object.__setattr__``."""
-    plan = object.__new__(TensorPlan)
-    plan.__dict__.update(location=location, steps=steps)
-    return plan
+TINY_BATCH = 512  # tensors an apply worker takes at once: tiny ones are patched together (applier.apply_tiny)
+TINY_BYTES = 2**20  # ... in groups of at most this many bytes (a batch's index arrays are 8 bytes a byte)
 
 
 class PlanSource(Protocol):
@@ -159,98 +122,6 @@ def plan_patches(
     plans = [TensorPlan(checkpoint[name], tuple(s)) for name, s in steps.items()]
     plans.sort(key=lambda p: (-p.location.nbytes, p.location.name))
     return plans
-
-
-@gc_paused_call  # a step per tensor (the collector would walk the whole index again and again)
-def bucket_steps(manifest: Manifest, bucket: str, path: Path,
-                 checkpoint: Mapping[str, TensorLocation], *, workers: int = 1) -> dict[str, PatchStep]:
-    """Check one downloaded bucket and return its frame for each tensor: header, metadata, target checksums,
-    and each frame's structure and declared size (``check_frame``: no decompression; the records are validated
-    as they are decoded to be applied). ``workers`` threads check the frames (the first bad one in name order is
-    the error raised)."""
-    uri = manifest.file_url(bucket)
-    version = manifest.version
-    header = read_header(path, revision=version, file=uri)
-    expected = set(manifest.tensors_of(bucket))
-    for name in sorted(set(header.tensors) - expected):
-        raise ManifestError("bucket holds a tensor its index does not map to it", revision=version, file=uri,
-                            tensor=name)
-    if expected and not header.metadata:
-        raise ManifestError("bucket has no __metadata__ with target checksums", revision=version, file=uri)
-    rows: list[tuple[str, int, int, str]] = []  # (tensor, frame start, frame end, checksum), in name order
-    tensors, metadata, data_offset, fmt = header.tensors, header.metadata, header.data_offset, manifest.checksum_format
-    for name in sorted(expected):
-        info = tensors.get(name)
-        if info is None:
-            raise ManifestError("tensor named by the index is missing from its bucket", revision=version,
-                                file=uri, tensor=name)
-        if name not in checkpoint:
-            raise ManifestError("bucket holds a tensor the local checkpoint does not have", revision=version,
-                                file=uri, tensor=name)
-        if info.dtype != "U8" or len(info.shape) != 1:
-            raise ManifestError(f"delta tensor must be 1-D U8, found {info.dtype} {list(info.shape)}",
-                                revision=version, file=uri, tensor=name)
-        checksum = metadata.get(name)
-        if checksum is None:
-            raise ManifestError("bucket metadata has no checksum for the tensor", revision=version, file=uri,
-                                tensor=name)
-        if not is_checksum(fmt, checksum):
-            raise ManifestError(f"checksum {checksum!r} is not a {fmt} checksum",
-                                revision=version, file=uri, tensor=name)
-        start = data_offset + info.start
-        rows.append((name, start, start + info.nbytes, checksum))
-    encoding = manifest.delta_encoding
-    with MappedFiles(path.parent) as maps:
-        data = maps.array(path.name)
-
-        def validated(row: tuple[str, int, int, str]) -> PatchStep:
-            # the frame's headers and declared size, nothing decompressed: the apply pass decodes it once
-            name, start, end, checksum = row
-            frame = check_frame(encoding, memoryview(data[start:end]), checkpoint[name].nbytes,
-                                revision=version, file=uri, tensor=name)
-            return _patch_step(version, encoding, path, uri, start, end, checksum, fmt, frame)
-
-        if workers > 1 and len(rows) > 1:
-            groups = _groups(rows)  # tiny frames go to a thread together: one future per group, not per tensor
-
-            def validate_group(group: list[tuple[str, int, int, str]]) -> list[PatchStep]:
-                return [validated(row) for row in group]
-
-            with ThreadPoolExecutor(min(workers, len(groups)), thread_name_prefix="validate") as pool:
-                # the groups' results in order: raises the first failure in name order
-                steps = [step for done in pool.map(validate_group, groups) for step in done]
-        else:
-            steps = [validated(row) for row in rows]
-    return dict(zip((row[0] for row in rows), steps))
-
-
-def _patch_step(*values) -> PatchStep:
-    """``PatchStep(*values)`` without the frozen dataclass's ``object.__setattr__`` per field (one step is made
-    per tensor and delta)."""
-    step = object.__new__(PatchStep)
-    step.__dict__.update(zip(_STEP_FIELDS, values))
-    return step
-
-
-_STEP_FIELDS = tuple(f.name for f in fields(PatchStep))
-VALIDATE_GROUP_BYTES, VALIDATE_GROUP_TENSORS = 2**20, 256
-
-
-def _groups(rows: list[tuple[str, int, int, str]]) -> list[list[tuple[str, int, int, str]]]:
-    """Consecutive rows, in groups of under ``VALIDATE_GROUP_BYTES`` of frames (a larger frame alone)."""
-    groups: list[list[tuple[str, int, int, str]]] = []
-    group: list[tuple[str, int, int, str]] = []
-    size = 0
-    for row in rows:
-        frame = row[2] - row[1]
-        if group and (size + frame > VALIDATE_GROUP_BYTES or len(group) >= VALIDATE_GROUP_TENSORS):
-            groups.append(group)
-            group, size = [], 0
-        group.append(row)
-        size += frame
-    if group:
-        groups.append(group)
-    return groups
 
 
 def apply_patches(
@@ -373,16 +244,21 @@ class _ApplyRun:
         small: list[Progress] = []
         plan_of = self.source.plan
         block_size = self.block_size
+        held = 0
         for name in names:
             plan = plan_of(name)
             size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
             state = Progress(plan, size)
             if is_tiny(plan, size):
+                if held + plan.location.nbytes > TINY_BYTES and small:
+                    self.tiny(small)
+                    small, held = [], 0
                 small.append(state)
+                held += plan.location.nbytes
                 continue
             if small:
                 self.tiny(small)
-                small = []
+                small, held = [], 0
             self.one(state)
         if small:
             self.tiny(small)

@@ -1,0 +1,202 @@
+"""One delta bucket checked before its bytes are used, and the plan objects made of it.
+
+``bucket_steps`` checks a downloaded bucket (header, metadata, target checksums,
+each frame's structure and declared size: nothing is decompressed) and returns a
+``PatchStep`` per tensor; ``TensorPlan`` groups one tensor's steps, oldest
+revision first. The frames of the common shape (one single-segment zstd frame
+of one block declaring its tensor's size) and the checksums are checked for the
+whole bucket in a few array operations; any other frame one by one
+(``check_frame``), which names the problem.
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from storage.catalog.manifests import Manifest
+from storage.errors import ManifestError
+from storage.format.checkpoint import TensorLocation
+from storage.format.codec import ValidatedFrame, check_frame
+from storage.format.digests import CHECKSUM_HEX_LENGTH, is_checksum
+from storage.format.frames import plain_xor_frames
+from storage.format.mapped import MappedFiles
+from storage.format.safetensors import read_header
+from storage.runtime.gc_pause import gc_paused_call
+
+
+@dataclass(frozen=True)
+class PatchStep:
+    """One revision's frame for one tensor: where it lies and what it must hash to."""
+
+    revision: str
+    encoding: str
+    bucket: Path
+    bucket_uri: str
+    start: int
+    end: int
+    checksum: str
+    checksum_format: str
+    validated: ValidatedFrame | None = None  # what bucket_steps checked of the frame (its structure)
+
+    def context(self, tensor: str) -> dict:
+        return {"revision": self.revision, "file": self.bucket_uri, "tensor": tensor}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Every step to apply to one tensor, oldest revision first."""
+
+    location: TensorLocation
+    steps: tuple[PatchStep, ...]
+
+
+def tensor_plan(location: TensorLocation, steps: tuple[PatchStep, ...]) -> TensorPlan:
+    """``TensorPlan(location, steps)`` without the frozen dataclass's per-field ``object.__setattr__``."""
+    plan = object.__new__(TensorPlan)
+    plan.__dict__.update(location=location, steps=steps)
+    return plan
+
+
+@gc_paused_call  # a step per tensor (the collector would walk the whole index again and again)
+def bucket_steps(manifest: Manifest, bucket: str, path: Path,
+                 checkpoint: Mapping[str, TensorLocation], *, workers: int = 1) -> dict[str, PatchStep]:
+    """Check one downloaded bucket and return its frame for each tensor: header, metadata, target checksums,
+    and each frame's structure and declared size (``check_frame``: no decompression; the records are validated
+    as they are decoded to be applied). ``workers`` threads check the frames (the first bad one in name order is
+    the error raised)."""
+    uri = manifest.file_url(bucket)
+    version = manifest.version
+    header = read_header(path, revision=version, file=uri)
+    expected = set(manifest.tensors_of(bucket))
+    for name in sorted(set(header.tensors) - expected):
+        raise ManifestError("bucket holds a tensor its index does not map to it", revision=version, file=uri,
+                            tensor=name)
+    if expected and not header.metadata:
+        raise ManifestError("bucket has no __metadata__ with target checksums", revision=version, file=uri)
+    rows: list[tuple[str, int, int, str]] = []  # (tensor, frame start, frame end, checksum), in name order
+    tensors, metadata, data_offset, fmt = header.tensors, header.metadata, header.data_offset, manifest.checksum_format
+    plain = _plain_checksums(fmt, metadata, expected)  # every checksum well formed (one match for the bucket)
+    for name in sorted(expected):
+        info = tensors.get(name)
+        if info is None:
+            raise ManifestError("tensor named by the index is missing from its bucket", revision=version,
+                                file=uri, tensor=name)
+        if name not in checkpoint:
+            raise ManifestError("bucket holds a tensor the local checkpoint does not have", revision=version,
+                                file=uri, tensor=name)
+        if info.dtype != "U8" or len(info.shape) != 1:
+            raise ManifestError(f"delta tensor must be 1-D U8, found {info.dtype} {list(info.shape)}",
+                                revision=version, file=uri, tensor=name)
+        checksum = metadata.get(name)
+        if checksum is None:
+            raise ManifestError("bucket metadata has no checksum for the tensor", revision=version, file=uri,
+                                tensor=name)
+        if not plain and not is_checksum(fmt, checksum):
+            raise ManifestError(f"checksum {checksum!r} is not a {fmt} checksum",
+                                revision=version, file=uri, tensor=name)
+        start = data_offset + info.start
+        rows.append((name, start, start + info.nbytes, checksum))
+    steps = _frame_steps(manifest, path, uri, rows, checkpoint, workers)
+    return dict(zip((row[0] for row in rows), steps))
+
+
+def _frame_steps(manifest: Manifest, path: Path, uri: str, rows: list[tuple[str, int, int, str]],
+                 checkpoint: Mapping[str, TensorLocation], workers: int) -> list[PatchStep]:
+    """Each row's step, its frame's structure checked: dense frames of the common shape for the whole bucket at
+    once (``plain_xor_frames``), the others one by one (``check_frame``), by ``workers`` threads."""
+    version, fmt = manifest.version, manifest.checksum_format
+    encoding = manifest.delta_encoding
+    with MappedFiles(path.parent) as maps:
+        data = maps.array(path.name)
+
+        def validated(row: tuple[str, int, int, str]) -> PatchStep:
+            # the frame's headers and declared size, nothing decompressed: the apply pass decodes it once
+            name, start, end, checksum = row
+            frame = check_frame(encoding, memoryview(data[start:end]), checkpoint[name].nbytes,
+                                revision=version, file=uri, tensor=name)
+            return _patch_step(version, encoding, path, uri, start, end, checksum, fmt, frame)
+
+        steps: list[PatchStep | None] = [None] * len(rows)
+        slow = list(range(len(rows)))
+        if encoding == "xor" and rows:  # the common frame shape, checked for the whole bucket at once
+            sizes = [checkpoint[row[0]].nbytes for row in rows]
+            plain_frames = plain_xor_frames(data, np.fromiter((r[1] for r in rows), np.int64, len(rows)),
+                                            np.fromiter((r[2] for r in rows), np.int64, len(rows)),
+                                            np.array(sizes, dtype=np.int64))
+            slow = np.flatnonzero(~plain_frames).tolist()
+            for i in np.flatnonzero(plain_frames).tolist():
+                name, start, end, checksum = rows[i]
+                steps[i] = _patch_step(version, encoding, path, uri, start, end, checksum, fmt,
+                                       _xor_frame(sizes[i], end - start))
+        todo = [rows[i] for i in slow]
+        if workers > 1 and len(todo) > 1:
+            groups = _groups(todo)  # tiny frames go to a thread together: one future per group, not per tensor
+
+            def validate_group(group: list[tuple[str, int, int, str]]) -> list[PatchStep]:
+                return [validated(row) for row in group]
+
+            with ThreadPoolExecutor(min(workers, len(groups)), thread_name_prefix="validate") as pool:
+                # the groups' results in order: raises the first failure in name order
+                done = [step for group in pool.map(validate_group, groups) for step in group]
+        else:
+            done = [validated(row) for row in todo]
+        for i, step in zip(slow, done):
+            steps[i] = step
+    return steps
+
+
+def _plain_checksums(fmt: str, metadata: Mapping[str, str], names) -> bool:
+    """True when the checksums of ``names`` in ``metadata`` are all there and well formed (one regular expression
+    over them all); False leaves the check (and the error naming the tensor) to each one."""
+    try:
+        values = [metadata[name] for name in names]
+    except KeyError:
+        return False
+    if not all(type(v) is str for v in values):
+        return False
+    width = CHECKSUM_HEX_LENGTH[fmt]
+    return re.fullmatch(f"(?:[0-9a-f]{{{width}}}\n)*", "".join(v + "\n" for v in values)) is not None \
+        if width else False
+
+
+def _xor_frame(nbytes: int, frame_size: int) -> ValidatedFrame:
+    """``ValidatedFrame("xor", nbytes, frame_size)`` without the frozen dataclass's per-field ``__setattr__``."""
+    frame = object.__new__(ValidatedFrame)
+    frame.__dict__.update(encoding="xor", nbytes=nbytes, frame_size=frame_size, count=None, ordered=True,
+                          positions_bytes=None, complete=True)
+    return frame
+
+
+def _patch_step(*values) -> PatchStep:
+    """``PatchStep(*values)`` without the frozen dataclass's ``object.__setattr__`` per field (one step is made
+    per tensor and delta)."""
+    step = object.__new__(PatchStep)
+    step.__dict__.update(zip(_STEP_FIELDS, values))
+    return step
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(PatchStep))
+VALIDATE_GROUP_BYTES, VALIDATE_GROUP_TENSORS = 2**20, 256
+
+
+def _groups(rows: list[tuple[str, int, int, str]]) -> list[list[tuple[str, int, int, str]]]:
+    """Consecutive rows, in groups of under ``VALIDATE_GROUP_BYTES`` of frames (a larger frame alone)."""
+    groups: list[list[tuple[str, int, int, str]]] = []
+    group: list[tuple[str, int, int, str]] = []
+    size = 0
+    for row in rows:
+        frame = row[2] - row[1]
+        if group and (size + frame > VALIDATE_GROUP_BYTES or len(group) >= VALIDATE_GROUP_TENSORS):
+            groups.append(group)
+            group, size = [], 0
+        group.append(row)
+        size += frame
+    if group:
+        groups.append(group)
+    return groups
