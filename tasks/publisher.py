@@ -43,7 +43,7 @@ class PublishResult:
     bytes_per_s: float = 0.0  # model bytes per second of the whole run
     already_published: bool = False
     attempts: int = 1  # of the upload and record write (retried after transient failures)
-    stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, attempts, status
+    stages: list = field(default_factory=list)  # each stage's name, seconds, bytes, requests, retries, status
     event_delivered: bool | None = None  # the server confirmed the published event; None: no event was due
     event_error: str | None = None  # why the event was not delivered (flows/announce.py)
 
