@@ -26,7 +26,7 @@ from storage.format.codec import ValidatedFrame, check_frame
 from storage.format.digests import CHECKSUM_HEX_LENGTH, is_checksum
 from storage.format.frames import plain_xor_frames
 from storage.format.mapped import MappedFiles
-from storage.format.safetensors import read_header
+from storage.format.safetensors import SafetensorsHeader, read_header
 from storage.runtime.gc_pause import gc_paused_call
 
 
@@ -79,10 +79,27 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                             tensor=name)
     if expected and not header.metadata:
         raise ManifestError("bucket has no __metadata__ with target checksums", revision=version, file=uri)
-    rows: list[tuple[str, int, int, str]] = []  # (tensor, frame start, frame end, checksum), in name order
-    tensors, metadata, data_offset, fmt = header.tensors, header.metadata, header.data_offset, manifest.checksum_format
+    rows = _rows(header, expected, checkpoint, manifest.checksum_format, version=version, uri=uri)
+    steps = _frame_steps(manifest, path, uri, rows, checkpoint, workers)
+    return dict(zip((row[0] for row in rows), steps))
+
+
+def _rows(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str, TensorLocation], fmt: str, *, version: str,
+          uri: str) -> list[tuple[str, int, int, str]]:
+    """``(tensor, frame start, frame end, checksum)`` of each expected tensor, in name order; raises a
+    ``ManifestError`` naming the first (in name order) that is missing, unknown, not 1-D U8, or without a well
+    formed checksum. When all is well (the common case) it is shown for the whole bucket in a few set and
+    list operations; otherwise the tensors are checked one by one, for the error."""
+    tensors, metadata, data_offset = header.tensors, header.metadata, header.data_offset
     plain = _plain_checksums(fmt, metadata, expected)  # every checksum well formed (one match for the bucket)
-    for name in sorted(expected):
+    names = sorted(expected)
+    if plain and expected <= tensors.keys() and all(name in checkpoint for name in names):
+        infos = [tensors[name] for name in names]
+        if all(info.dtype == "U8" and len(info.shape) == 1 for info in infos):
+            return [(name, data_offset + info.start, data_offset + info.end, metadata[name])
+                    for name, info in zip(names, infos)]
+    rows: list[tuple[str, int, int, str]] = []
+    for name in names:
         info = tensors.get(name)
         if info is None:
             raise ManifestError("tensor named by the index is missing from its bucket", revision=version,
@@ -102,8 +119,7 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
                                 revision=version, file=uri, tensor=name)
         start = data_offset + info.start
         rows.append((name, start, start + info.nbytes, checksum))
-    steps = _frame_steps(manifest, path, uri, rows, checkpoint, workers)
-    return dict(zip((row[0] for row in rows), steps))
+    return rows
 
 
 def _frame_steps(manifest: Manifest, path: Path, uri: str, rows: list[tuple[str, int, int, str]],

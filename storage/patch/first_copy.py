@@ -125,6 +125,10 @@ class CopyAsPatched:
     def names(self) -> list[str]:
         return self.inner.names()
 
+    def count(self) -> int:
+        count = getattr(self.inner, "count", None)
+        return count() if count is not None else len(self.inner.names())
+
     def take(self) -> str | None:
         name = self.inner.take()
         if name is not None:

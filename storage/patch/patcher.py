@@ -73,6 +73,9 @@ class StaticPlans:
     def names(self) -> list[str]:
         return list(self._plans)
 
+    def count(self) -> int:
+        return len(self._plans)
+
     def take(self) -> str | None:
         with self._lock:
             return self._queue.pop() if self._queue else None
@@ -160,7 +163,8 @@ def apply_patches(
     """
     if isinstance(source, (list, tuple)):
         source = StaticPlans(source)
-    if not source.names():
+    count = getattr(source, "count", None)  # optional: the number of tensors without listing them in order
+    if not (count() if count is not None else len(source.names())):
         return {}
     halt = stop.child() if stop is not None else StopToken()  # stopped by the run, or by a failed worker
     maps = Maps(checkpoint.folder)

@@ -199,11 +199,14 @@ class ArrivingPlans:
         file_key = {key: (self._deltas[key[0]].version, key[1]) for key in rank}  # (delta, bucket) -> file
         waiting: dict[tuple[str, str], list[str]] = {}
         missing: dict[str, int] = {}
+        total = 0  # bytes the apply pass folds: each tensor's size times the deltas that change it
         for t, ks in needs.items():
             if len(ks) == 1:  # one delta changes it (a steady refit): no set to build
                 files = (file_key[ks[0]],)
+                total += checkpoint[t].nbytes
             else:
                 files = {file_key[k] for k in ks}
+                total += checkpoint[t].nbytes * len(ks)
             missing[t] = len(files)
             for key in files:
                 have = waiting.get(key)
@@ -211,7 +214,7 @@ class ArrivingPlans:
                     waiting[key] = [t]
                 else:
                     have.append(t)
-        self._waiting, self._missing = waiting, missing
+        self._waiting, self._missing, self._total = waiting, missing, total
         self._wanted = {key: len(ts) for key, ts in self._waiting.items()}  # untaken tensors needing each file
         self._ready_heap: list[int] = []
         self._cursor = 0  # files of ``arrivals`` already counted
@@ -274,9 +277,13 @@ class ArrivingPlans:
             self._left -= len(taken)
             return taken
 
+    def count(self) -> int:
+        """How many tensors (``len(names())`` without sorting them)."""
+        return len(self._needs)
+
     def total_bytes(self) -> int:
         """Bytes the apply pass folds: each tensor's size times the deltas that change it."""
-        return sum(self._checkpoint[t].nbytes * len(needs) for t, needs in self._needs.items())
+        return self._total
 
     def plan(self, name: str) -> TensorPlan:
         done = self._steps  # a checked bucket's steps are read without its lock (set once, never changed)
