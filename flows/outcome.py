@@ -20,7 +20,7 @@ from flows.report import (
     FAILED, INTERRUPTED, POISONED, READY, SKIPPED, Attempt, RefitResult, Status, build_result, current_watch,
     watch_next_run,
 )
-from storage.errors import Interrupted, RefitError
+from storage.errors import Interrupted, RefitError, StageDeadlineExceeded
 from storage.retry import transient
 from storage.settings import RefitParams
 from tasks.receiver import Receiver
@@ -82,6 +82,9 @@ def next_step(rx: Receiver, status: Status, error: BaseException | None) -> str 
             return (f"{refit_command(params)}  (the local copy {local} was discarded and is downloaded again by "
                     "this run; if the published object itself is wrong, restore it or publish a corrected "
                     "revision first)")
+        if isinstance(error, StageDeadlineExceeded):
+            return (f"{refit_command(params)}  (the store is back at its last verified version; run the refit "
+                    "again, with a longer --stage-deadline-seconds if the stage was only slow)")
         return f"{refit_command(params)}  (fix the cause above first, then run the refit again)"
     return None
 
@@ -102,7 +105,8 @@ def _flagged(*paths: str, model=RefitParams) -> tuple[tuple[str, str], ...]:
 _ALWAYS = _flagged("catalog", "model", "node", "cache_dir", "target")
 _WHEN_SET = _flagged("seed_checkpoint", "seed_links", "initial_version", "installer.kind", "installer.engine_urls",
                      "storage.endpoint_url", "cache_max_gb", "verify", "only_if_newer", "activate", "lock_timeout_s",
-                     "apply_workers", "storage.concurrency", "retries", "retry_delay_s", "trusted_keys")
+                     "apply_workers", "storage.concurrency", "retries", "retry_delay_s", "stage_deadline_s",
+                     "trusted_keys")
 REPEATED_OPTIONS = _ALWAYS + _WHEN_SET  # every flag of python -m flows.refit (tests/system/test_next_lines.py checks)
 # deprecated flags that do nothing (a stage runs once: storage/retry.py): still parsed, never printed
 NOT_REPEATED = ("stage_retries", "stage_retry_delay_s")

@@ -93,6 +93,30 @@ class Interrupted(RefitError):
     """The run was stopped from outside: Ctrl-C, SIGTERM or a Prefect cancellation."""
 
 
+class StageDeadlineExceeded(Cancelled):
+    """A stage ran past its deadline (``stage_deadline_s``): the run stopped at its next safe point, as a
+    cancellation would (a ``Cancelled``: code that lets a stop through lets this through), and failed (not
+    interrupted).
+
+    Transient: a stalled link or an outage is what a deadline catches, so the
+    whole run is retried after its rollback like any other transient failure
+    (``RefitParams.retries``); the stage itself is never retried.
+    """
+
+    transient = True
+
+    def __init__(self, stage: str, seconds: float, *, revision: str | None = None, **context) -> None:
+        self.stage, self.seconds = stage, seconds
+        super().__init__(f"stage {stage!r} of {revision or 'this run'} exceeded its deadline of {seconds:g}s",
+                         revision=revision, **context)
+
+    def _render(self) -> str:  # the message names the revision already
+        return self.reason
+
+    def to_dict(self) -> dict:
+        return {**super().to_dict(), "stage": self.stage, "seconds": self.seconds}
+
+
 # --- object storage -----------------------------------------------------------
 
 

@@ -240,6 +240,11 @@ class RefitParams(Settings):
     retry_delay_s: float = Field(
         10.0, ge=0, le=3600, description="wait before the first whole-run retry, doubled for each next one",
         json_schema_extra={"flag": "--retry-delay"})
+    stage_deadline_s: float | None = Field(
+        None, gt=0, description="longest a stage of the run may take (seconds; default: no deadline): past it the "
+                                "run stops at its next safe point, rolls back and fails with StageDeadlineExceeded, "
+                                "which the whole run retries like a transient failure (retries)",
+        json_schema_extra={"flag": "--stage-deadline-seconds"})
     stage_retries: int = Field(
         2, ge=0, le=20, description="deprecated, no effect: a stage runs once (its requests retry transient I/O, "
                                     "the whole run retries: retries); accepted so command lines keep working")

@@ -93,6 +93,16 @@ class Receiver:
         running = self._running
         return running[0] if len(running) == 1 else self._objects
 
+    @property
+    def deadline_s(self) -> float | None:
+        """Each interruptible stage's deadline, in seconds (``tasks.stage.Deadline``); None: none."""
+        return self.params.stage_deadline_s
+
+    @property
+    def revision(self) -> str:
+        """The revision this run installs: the resolved target once ``resolve catalog`` ran, else as asked."""
+        return self.ledger.lineage[-1] if self.ledger.lineage else self.params.target
+
     def progress(self, label: str, total: int) -> Progress:
         return Progress(label, total, self.report_progress)
 

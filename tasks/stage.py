@@ -6,7 +6,11 @@ anything with ``stage(name)`` (which measures the stage into the run's
 ledger) and ``stop``. A ``Stage`` runs it the same way everywhere: measured,
 after checking the run's stop token, once. A stage does not retry: its
 requests retry transient I/O, and the whole run retries after a rollback
-(``storage/retry.py`` says which layer retries what).
+(``storage/retry.py`` says which layer retries what). A stage has a
+deadline instead (``deadline_s`` of its run: ``RefitParams.stage_deadline_s``):
+past it, a timer stops the run's token with a ``StageDeadlineExceeded``
+cause, so the run stops at its next safe point as on a cancellation, and
+fails with that error (not interrupted).
 
 Who hears of a stage is injected, not looked up: the stage reporter of the
 current context (``reporting_stages``). By default it is the null reporter
@@ -19,15 +23,18 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Iterator, Sequence, TypeVar
 
+from storage.errors import Cancelled, StageDeadlineExceeded
 from storage.format.status import CANCELLED, COMPLETED, FAILED, INTERRUPTED, PENDING, Status
 
 R = TypeVar("R")
+log = logging.getLogger("canonical_refit.stage")
 
 
 class NullStages:
@@ -126,13 +133,16 @@ class Ledger:
         self.notes.append(message)
 
 
-def stage_status(error: BaseException, interrupted: bool) -> Status:
-    """How a stage that raised ``error`` ended: ``INTERRUPTED`` (Ctrl-C, SIGTERM, a cancellation), ``CANCELLED``
-    (stopped because another stage failed) or ``FAILED``."""
-    from storage.errors import Cancelled, Interrupted
+def stage_status(error: BaseException, interrupted: bool, name: str | None = None) -> Status:
+    """How stage ``name`` that raised ``error`` ended: ``INTERRUPTED`` (Ctrl-C, SIGTERM, a cancellation),
+    ``CANCELLED`` (stopped because another stage failed or overran its deadline) or ``FAILED`` (its own
+    deadline included)."""
+    from storage.errors import Cancelled, Interrupted, StageDeadlineExceeded
 
     if interrupted or isinstance(error, (Interrupted, KeyboardInterrupt)):
         return INTERRUPTED
+    if isinstance(error, StageDeadlineExceeded) and error.stage == name:
+        return FAILED
     if isinstance(error, Cancelled):
         return CANCELLED
     return FAILED
@@ -155,8 +165,51 @@ class measuring:
             return
         from storage.errors import RefitError
 
-        self.record.status = stage_status(error, bool(self.stop is not None and self.stop.interrupted))
+        self.record.status = stage_status(error, bool(self.stop is not None and self.stop.interrupted),
+                                          self.record.name)
         self.record.detail = str(error) if isinstance(error, RefitError) else f"{type(error).__name__}: {error}"
+
+
+class Deadline:
+    """``with Deadline(stage, run):`` the stage's deadline: ``run.deadline_s`` seconds (None: none), armed for an
+    interruptible stage only (the others run even when the run is stopped).
+
+    A timer thread trips it: it stops the run's token with a
+    ``StageDeadlineExceeded`` cause naming the stage, the run's ``revision`` and
+    the seconds. The work stops at its next safe point as on a cancellation;
+    a stop the body raised (``Cancelled``) leaves it as the typed error, so this
+    stage's row says FAILED and the stages it stopped say CANCELLED.
+    """
+
+    def __init__(self, stage: "Stage", run):
+        self.stage, self.run = stage, run
+        self.seconds: float | None = getattr(run, "deadline_s", None) if stage.interruptible else None
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> "Deadline":
+        if self.seconds is not None:
+            self._timer = threading.Timer(self.seconds, self._trip)
+            self._timer.name = f"deadline-{self.stage.name.replace(' ', '-')}"
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def error(self) -> StageDeadlineExceeded:
+        return StageDeadlineExceeded(self.stage.name, self.seconds or 0.0, revision=getattr(self.run, "revision", None))
+
+    def _trip(self) -> None:
+        error = self.error()
+        log.warning("%s: stopping the run at its next safe point", error)
+        self.run.stop.stop(str(error), cause=self.error)
+
+    def __exit__(self, kind, error, _tb) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if isinstance(error, Cancelled) and not isinstance(error, StageDeadlineExceeded) \
+                and not self.run.stop.interrupted:
+            cause = self.run.stop.cause()
+            if cause is not None:
+                raise cause from error
 
 
 class Running(Generic[R]):
@@ -180,8 +233,8 @@ class Stage(Generic[R]):
 
     def _measured(self, run, *args, **kwargs) -> R:
         if self.interruptible:
-            run.stop.check()
-        with run.stage(self.name) as record:
+            run.stop.check()  # past another stage's deadline: raises that stage's StageDeadlineExceeded
+        with run.stage(self.name) as record, Deadline(self, run):
             result = self.fn(run, *args, **kwargs)
             record.bytes = int(getattr(result, "bytes", 0) or 0)
             record.detail = str(getattr(result, "summary", "") or "")

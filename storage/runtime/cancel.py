@@ -7,6 +7,12 @@ middle of a durable write or a rename, worker threads are told and joined,
 and the run ends through its normal failure path: fetch cancelled and
 joined, a half-written checkpoint undone or discarded, the lock released.
 
+A stop from inside the run may name its cause: a stage past its deadline
+(``tasks/stage.py``) stops the run's token with ``cause``, and every check
+then raises that typed error (``StageDeadlineExceeded``) instead of
+``Cancelled``; the run stops at the same safe points as on a cancellation,
+and fails (it was not interrupted from outside).
+
 Tokens form a tree: a run's work stops when its run's token does; a run may
 stop its own background fetch (another stage failed) without stopping itself.
 A stop belongs to the run it interrupted: each ``signals_stop_the_run`` block
@@ -23,7 +29,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable, Iterator
 
-from storage.errors import Cancelled, Interrupted
+from storage.errors import Cancelled, Interrupted, RefitError
 
 log = logging.getLogger("canonical_refit.cancel")
 
@@ -37,6 +43,7 @@ class StopToken:
         self._listeners: list[Callable[[], None]] = []
         self.parent = parent
         self.reason: str | None = None
+        self._cause: Callable[[], RefitError] | None = None  # builds the error a check raises (a deadline's)
         self._interrupt = interrupt  # stopping from outside the run (signals), as opposed to the run cancelling work
         if parent is not None:
             parent.add_listener(self._notify)
@@ -45,13 +52,15 @@ class StopToken:
         """A token that stops with this one, and can also be stopped on its own."""
         return StopToken(self)
 
-    def stop(self, reason: str, *, interrupt: bool = False) -> None:
+    def stop(self, reason: str, *, interrupt: bool = False, cause: Callable[[], RefitError] | None = None) -> None:
         """Stop this token; ``interrupt``: the stop comes from outside the run (a cancellation), so the run
-        ends INTERRUPTED through the fast path, not as a failure."""
+        ends INTERRUPTED through the fast path, not as a failure; ``cause``: builds the typed error each
+        ``check`` then raises instead of ``Cancelled`` (a stage's deadline)."""
         with self._lock:
             if self._event.is_set():
                 return
             self.reason = reason
+            self._cause = cause
             self._interrupt = self._interrupt or interrupt
             self._event.set()
             listeners = list(self._listeners)
@@ -101,12 +110,25 @@ class StopToken:
             node = node.parent
         return "stopped"
 
+    def cause(self) -> RefitError | None:
+        """The typed error the stop that holds this token names (a new one each call), or None."""
+        node: StopToken | None = self
+        while node is not None:
+            if node._event.is_set():
+                return node._cause() if node._cause is not None else None
+            node = node.parent
+        return None
+
     def check(self, **context) -> None:
-        """Raise ``Interrupted`` (from outside) or ``Cancelled`` (by the run) if this token is stopped."""
+        """Raise ``Interrupted`` (from outside), the stop's ``cause`` or ``Cancelled`` (by the run) if this token
+        is stopped."""
         if not self.stopped:
             return
         if self.interrupted:
             raise Interrupted(f"interrupted ({self.why()})", **context)
+        cause = self.cause()
+        if cause is not None:
+            raise cause.with_context(**context)
         raise Cancelled(f"stopped: {self.why()}", **context)
 
     def wait(self, timeout: float) -> bool:
