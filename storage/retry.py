@@ -16,15 +16,16 @@ a request          transient I/O of that one request:    ``ObjectStoreSettings.r
                    a timeout, throttling, a 5xx, a       (``retry_attempts``, ``backoff_initial_s``,
                    reset, a short body                   ``backoff_max_s``); botocore's own retries are off
                                                          (``storage/objects/s3client.py``)
-a stage            nothing: it runs once. Its time is    ``tasks/stage.py`` (no loop, no ``retried``, no
-                   bounded by its requests (attempts x   attempt count); the stop token
-                   timeouts, capped backoff) and by the  (``storage/runtime/cancel.py``) ends it at once on an
-                   run's stop token (no deadline of its  interrupt or a cancellation
-                   own)
+a stage            nothing: it runs once, under a        ``RefitParams.stage_deadline_s``
+                   deadline. Past it the run stops at    (``--stage-deadline-seconds``, default none):
+                   its next safe point as on a           ``tasks/stage.py`` ``Deadline`` stops the run's token
+                   cancellation and fails with           (``storage/runtime/cancel.py``) with that cause. No
+                   ``StageDeadlineExceeded`` (stage,     loop, no ``retried``, no attempt count. Without a
+                   revision, seconds), not INTERRUPTED   deadline: bounded by its requests and the stop token
 a refit            the whole run, after a transient      ``RefitParams.run_retry_policy`` (``retries``,
-                   failure, once the attempt released    ``retry_delay_s``): ``flows/refit.py``
-                   everything and rolled the store back  ``run_refit``; never after poison, an interrupt or
-                                                         bad input
+                   failure (a stage's deadline           ``retry_delay_s``): ``flows/refit.py``
+                   included), once the attempt released  ``run_refit``; never after poison, an interrupt or
+                   everything and rolled the store back  bad input
 a publication      the upload and the record write       ``PublishParams.publication_retry_policy``
                    together (create-only writes: a       (``retries``, ``retry_delay_s``):
                    retry completes a partial upload)     ``flows/publish.py`` ``put_publication``
@@ -36,6 +37,13 @@ a publication      the upload and the record write       ``PublishParams.publica
 During an outage a request is therefore tried ``retry_attempts`` times per
 run attempt, and the run ``retries + 1`` times: at most their product (6 x 4
 with the defaults), each run attempt starting over from a consistent store.
+A stage that stalls (a hung link its request timeouts did not catch) costs at
+most ``stage_deadline_s`` per run attempt: ``StageDeadlineExceeded`` is
+transient, so the run-level retry applies to it as to an outage, and a run
+whose last attempt still overruns fails (its ``next:`` says to run again,
+with a longer deadline if the stage was only slow). A stage's deadline is not
+an interrupt: a Ctrl-C, SIGTERM or cancellation ends the run INTERRUPTED and
+is never retried; a deadline ends it FAILED.
 The settings ``stage_retries`` and ``stage_retry_delay_s`` are still accepted
 (command lines keep working), no longer do anything, and are never printed in
 a ``next:`` command. Event delivery
