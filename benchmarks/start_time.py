@@ -22,9 +22,8 @@ Every command runs with the bytecode cache a user's installation has: the
 untimed warm-up run writes it into a fresh folder of its own
 (``PYTHONPYCACHEPREFIX``), even where ``PYTHONDONTWRITEBYTECODE`` is set (a
 CI or sandbox setting; with it, each run compiled the checkout's own modules
-again, about a third of a quick command's time, while NumPy's came compiled).
-The earlier figures in docs/benchmarks.md were taken that way: compare a
-change with ``--tree`` in the same run.
+again while NumPy's came compiled). Compare a change with ``--tree``, under
+the same conditions.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ SCHEMA = "canonical-refit.benchmark.start-time.v1"
 GOAL_RATIO = 2.0
 REFERENCE = "import numpy"
 FLOORS = ("python -c pass", "import pydantic_settings")  # shown for context, not judged: the interpreter alone, and
-# the settings library every command's flags and settings are built from
+# the settings library the commands' settings were built on until they read their environment themselves
 
 
 def commands(work: Path) -> list[tuple[str, list[str], int]]:
