@@ -7,14 +7,8 @@ standard AWS environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 ``AWS_SESSION_TOKEN``, ``AWS_PROFILE``), so they never land in a flow run's
 stored parameters.
 
-The models are plain pydantic models on ``Settings``, which reads the
-environment as pydantic-settings' environment source does with its
-defaults (the prefix and the field's name in any case; a model, list or
-dict value decoded as JSON unless the field is ``NoDecode``; a keyword
-given wins over the environment) without importing pydantic-settings, its
-sources and asyncio: a command's ``--help`` and ``status`` build their flags
-and settings in a fraction of that import's time. Validators and
-serializers are built on a model's first use (``defer_build``), not at import.
+``Settings`` reads the environment as pydantic-settings' source did (``env_values``) without importing
+it and asyncio, and builds a model's validators on first use: ``--help`` and ``status`` start quickly.
 """
 
 from __future__ import annotations
