@@ -234,7 +234,7 @@ def run_vetting(params: RefitParams, settings: ServeSettings) -> dict:
 
 NODE_FLAGS = flags(RefitParams, "catalog", "model", "node", "seed_checkpoint", "initial_version", "cache_dir",
                    "cache_max_gb", "apply_workers", "installer.kind", "installer.engine_urls", "retries",
-                   "retry_delay_s", "stage_retries", "stage_retry_delay_s", "storage.concurrency",
+                   "retry_delay_s", "stage_retries", "stage_retry_delay_s", "stage_deadline_s", "storage.concurrency",
                    "storage.endpoint_url", "trusted_keys")
 SERVE_FLAGS = flags(ServeSettings)
 
