@@ -1,14 +1,18 @@
-"""Index manifests of full checkpoints and XOR deltas (docs/format.md, section 5), validated in one place."""
+"""Index manifests of full checkpoints and XOR deltas (docs/format.md, section 5): strict records parsed
+by the one record parser (storage.jsonio.bounded_json.load_record), then checked against the catalog record."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Mapping
+from typing import Mapping, TypeVar
+
+from pydantic import ConfigDict, StrictStr, field_validator
+from pydantic.dataclasses import dataclass as record
 
 from storage.catalog.records import Revision
 from storage.format.checkpoint import check_shard_name
-from storage.jsonio.bounded_json import INDEX, load_json
+from storage.jsonio.bounded_json import INDEX, load_record
 from storage.format.digests import CHECKSUM_FORMATS
 from storage.errors import FormatError, ManifestError
 from storage.urls import join_url, parent_url
@@ -16,6 +20,7 @@ from storage.urls import join_url, parent_url
 MAX_INDEX_BYTES = INDEX.max_bytes  # 64 MiB; depth and element bounds: storage.jsonio.bounded_json.INDEX
 DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.format.gaps
 DELTA_INDEX_FILE = "delta.safetensors.index.json"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,14 +62,62 @@ class Manifest:
         return list(self._by_file.get(name, ()))
 
 
-def _load(raw: bytes, revision: Revision, uri: str) -> dict:
-    return load_json(raw, INDEX, error=ManifestError, expect=dict, revision=revision.version, file=uri)
+# -- the strict records of the two index kinds --------------------------------------------------------------
+# Keys these records do not name are ignored: an index is a catalog object any publisher writes (a standard
+# Hugging Face index carries ``metadata.total_size``, other tools add their own keys). A known key of the
+# wrong type, or a required one missing, is refused as a ManifestError naming the file, the revision and the
+# field (``metadata.delta_encoding``, ``weight_map.<tensor>``). Strict by type (``StrictStr``: no coercion), not
+# by config: a strict config would also refuse the JSON object that becomes the nested ``metadata`` record.
+_INDEX_RECORD = ConfigDict(extra="ignore")
 
 
-def _weight_map(value: dict, revision: Revision, uri: str, *, allow_empty: bool) -> dict[str, str]:
-    weight_map = value.get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise ManifestError("index has no weight_map object", revision=revision.version, file=uri, field="weight_map")
+@record(frozen=True, config=_INDEX_RECORD)
+class FullIndexMetadata:
+    """``metadata`` of a ``model.safetensors.index.json``: ``checksum_format`` may be absent, never null."""
+
+    checksum_format: StrictStr | None = None
+
+    @field_validator("checksum_format", mode="before")
+    @classmethod
+    def _not_null(cls, value):  # runs only when the key is present: present means a format's name
+        if value is None:
+            raise ValueError("null is not a checksum format (leave the key out for none)")
+        return value
+
+
+@record(frozen=True, config=_INDEX_RECORD)
+class FullIndex:
+    """A full checkpoint's index: ``metadata`` (optional) and ``weight_map`` ``{tensor: shard file}``."""
+
+    weight_map: dict[StrictStr, StrictStr]
+    metadata: FullIndexMetadata = FullIndexMetadata()
+
+
+@record(frozen=True, config=_INDEX_RECORD)
+class DeltaIndexMetadata:
+    """``metadata`` of ``delta.safetensors.index.json``: every key required (docs/format.md, section 5)."""
+
+    version: StrictStr
+    base_version: StrictStr
+    compression_format: StrictStr
+    delta_encoding: StrictStr
+    checksum_format: StrictStr
+
+
+@record(frozen=True, config=_INDEX_RECORD)
+class DeltaIndex:
+    """A delta's index: ``metadata`` and ``weight_map`` ``{tensor: bucket file}`` (may be empty)."""
+
+    metadata: DeltaIndexMetadata
+    weight_map: dict[StrictStr, StrictStr]
+
+
+def _parse(cls: type[T], raw: bytes, revision: Revision, uri: str) -> T:
+    """The bounded JSON of ``raw`` as the strict index record ``cls``, or a ManifestError naming the file."""
+    return load_record(raw, cls, INDEX, error=ManifestError, revision=revision.version, file=uri)
+
+
+def _weight_map(weight_map: dict[str, str], revision: Revision, uri: str, *, allow_empty: bool) -> dict[str, str]:
     if not weight_map and not allow_empty:
         raise ManifestError("weight_map of a full checkpoint is empty", revision=revision.version, file=uri,
                             field="weight_map")
@@ -78,38 +131,30 @@ def _weight_map(value: dict, revision: Revision, uri: str, *, allow_empty: bool)
 def parse_full_manifest(raw: bytes, revision: Revision) -> Manifest:
     """A standard ``model.safetensors.index.json``; ``checksum_format`` in its metadata is optional."""
     uri = revision.uri
-    value = _load(raw, revision, uri)
-    metadata = value.get("metadata", {})
-    if not isinstance(metadata, dict):
-        raise ManifestError("index metadata is not an object", revision=revision.version, file=uri, field="metadata")
-    checksum_format = metadata.get("checksum_format")
-    if "checksum_format" in metadata and checksum_format not in CHECKSUM_FORMATS:  # null included
+    index = _parse(FullIndex, raw, revision, uri)
+    checksum_format = index.metadata.checksum_format
+    if checksum_format is not None and checksum_format not in CHECKSUM_FORMATS:
         raise ManifestError(f"unsupported checksum format {checksum_format!r} (supported: "
                             f"{', '.join(CHECKSUM_FORMATS)})", revision=revision.version, file=uri,
-                            field="checksum_format")
-    weight_map = _weight_map(value, revision, uri, allow_empty=False)
+                            field="metadata.checksum_format")
+    weight_map = _weight_map(index.weight_map, revision, uri, allow_empty=False)
     return Manifest(revision, uri, weight_map, checksum_format, None, raw)
 
 
 def parse_delta_manifest(raw: bytes, revision: Revision) -> Manifest:
     """A delta index whose metadata must agree with the catalog record, field by field."""
     uri = revision.uri
-    value = _load(raw, revision, uri)
-    metadata = value.get("metadata")
-    if not isinstance(metadata, dict):
-        raise ManifestError("delta index has no metadata object", revision=revision.version, file=uri,
-                            field="metadata")
+    index = _parse(DeltaIndex, raw, revision, uri)
+    metadata = index.metadata
 
     def need(name: str, expected=None, allowed=None) -> str:
-        if name not in metadata:
-            raise ManifestError(f"delta metadata is missing {name!r}", revision=revision.version, file=uri, field=name)
-        got = metadata[name]
+        got = getattr(metadata, name)
         if expected is not None and got != expected:
             raise ManifestError(f"delta metadata {name} is {got!r}, the catalog says {expected!r}",
-                                revision=revision.version, file=uri, field=name)
+                                revision=revision.version, file=uri, field=f"metadata.{name}")
         if allowed is not None and got not in allowed:
             raise ManifestError(f"unsupported {name} {got!r} (supported: {', '.join(allowed)})",
-                                revision=revision.version, file=uri, field=name)
+                                revision=revision.version, file=uri, field=f"metadata.{name}")
         return got
 
     need("version", revision.version)
@@ -118,7 +163,7 @@ def parse_delta_manifest(raw: bytes, revision: Revision) -> Manifest:
     encoding = need("delta_encoding", allowed=DELTA_ENCODINGS)
     checksum_format = need("checksum_format", allowed=CHECKSUM_FORMATS)
     need("checksum_format", revision.checksum_format)
-    weight_map = _weight_map(value, revision, uri, allow_empty=True)
+    weight_map = _weight_map(index.weight_map, revision, uri, allow_empty=True)
     return Manifest(revision, uri, weight_map, checksum_format, encoding, raw)
 
 

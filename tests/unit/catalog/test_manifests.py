@@ -61,7 +61,7 @@ def test_empty_weight_map_is_a_valid_no_change_delta():
 def test_missing_or_mismatched_metadata_names_the_field(over, drop, field):
     with pytest.raises(ManifestError) as info:
         parse_delta_manifest(delta_index(over, drop=drop), delta_rev())
-    assert info.value.field == field and info.value.revision == "r2"
+    assert info.value.field == f"metadata.{field}" and info.value.revision == "r2"
     assert "delta.safetensors.index.json" in str(info.value)
 
 
@@ -74,10 +74,10 @@ def test_all_three_encodings_are_accepted(encoding):
     (b"{oops", "not valid JSON"),
     (b"[]", "not an object"),
     (b'{"metadata": {}, "metadata": {}}', "duplicate key"),
-    (json.dumps({"weight_map": {}}).encode(), "no metadata"),
+    (json.dumps({"weight_map": {}}).encode(), "metadata: Field required"),
     (json.dumps({"metadata": {}, "weight_map": []}).encode().replace(b'"metadata": {}', b'"metadata": '
      + json.dumps({"version": "r2", "base_version": "r1", "delta_encoding": "xor", "compression_format": "zstd",
-                   "checksum_format": "adler32"}).encode()), "no weight_map"),
+                   "checksum_format": "adler32"}).encode()), "weight_map: Input should be a valid dictionary"),
 ])
 def test_malformed_delta_json_is_rejected(raw, message):
     with pytest.raises(ManifestError, match=message):
@@ -106,7 +106,7 @@ def test_full_manifest_checksum_format_is_optional_but_must_be_supported():
     raw = json.dumps({"metadata": {"checksum_format": "sha1"}, "weight_map": {"w": "model.safetensors"}}).encode()
     with pytest.raises(ManifestError, match="'sha1'") as info:
         parse_full_manifest(raw, full_rev())
-    assert info.value.field == "checksum_format"
+    assert info.value.field == "metadata.checksum_format"
 
 
 def test_full_manifest_needs_a_weight_map():
