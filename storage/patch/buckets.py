@@ -84,8 +84,8 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
     return dict(zip((row[0] for row in rows), steps))
 
 
-def _rows(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str, TensorLocation], fmt: str, *, version: str,
-          uri: str) -> list[tuple[str, int, int, str]]:
+def _rows(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str, TensorLocation], fmt: str, *,
+          version: str, uri: str) -> list[tuple[str, int, int, str]]:
     """``(tensor, frame start, frame end, checksum)`` of each expected tensor, in name order; raises a
     ``ManifestError`` naming the first (in name order) that is missing, unknown, not 1-D U8, or without a well
     formed checksum. When all is well (the common case) it is shown for the whole bucket in a few set and

@@ -287,8 +287,13 @@ class ArrivingPlans:
 
     def plan(self, name: str) -> TensorPlan:
         done = self._steps  # a checked bucket's steps are read without its lock (set once, never changed)
+        keys = self._needs[name]
+        if len(keys) == 1:  # one delta changes it (a steady refit)
+            bucket = done.get(keys[0])
+            step = (bucket if bucket is not None else self._bucket(keys[0]))[name]
+            return tensor_plan(self._checkpoint[name], (step,))
         steps = []
-        for key in self._needs[name]:
+        for key in keys:
             bucket = done.get(key)
             steps.append((bucket if bucket is not None else self._bucket(key))[name])
         return tensor_plan(self._checkpoint[name], tuple(steps))

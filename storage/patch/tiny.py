@@ -18,6 +18,7 @@ frames do not all decode cleanly is left to the loop, which names the problem.
 from __future__ import annotations
 
 import threading
+from operator import attrgetter
 
 import numpy as np
 import zstandard
@@ -28,6 +29,7 @@ from storage.format.digests import checksum_bytes
 from storage.runtime.killpoints import killpoint
 
 _ADLER = 65521
+_START, _END, _NBYTES, _OFFSET, _FILE = (attrgetter(a) for a in ("start", "end", "nbytes", "offset", "file"))
 _PAGE_BITS = PAGE.bit_length() - 1
 _THREAD = threading.local()
 
@@ -60,18 +62,17 @@ def _spread(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return np.repeat(starts - before, sizes) + np.arange(int(before[-1] + sizes[-1]), dtype=np.int64)
 
 
-def _decode(frames: list[np.ndarray], groups: list[np.ndarray], steps: list, sizes: np.ndarray,
-            firsts: np.ndarray) -> np.ndarray | None:
-    """Every step's frame decoded, concatenated in order; None if some frame does not decode to its size."""
+def _decode(frames: list[np.ndarray], groups: list[np.ndarray], starts: np.ndarray, ends: np.ndarray,
+            sizes: np.ndarray, firsts: np.ndarray) -> np.ndarray | None:
+    """Every frame ``frames[g][starts[i]:ends[i]]`` decoded, concatenated in order (one call for each group
+    of one bucket); None if some frame does not decode to exactly ``sizes[i]`` bytes."""
     dctx = _dctx()
     out = None if len(groups) == 1 else np.empty(int(sizes.sum()), dtype=np.uint8)
-    for ids in groups:
-        members = [steps[i] for i in ids.tolist()]
+    for frame, ids in zip(frames, groups):
         segments = np.empty((ids.size, 2), dtype=np.uint64)
-        segments[:, 0] = np.fromiter((s.start for s in members), dtype=np.int64, count=ids.size)
-        segments[:, 1] = np.fromiter((s.end - s.start for s in members), dtype=np.int64, count=ids.size)
+        segments[:, 0], segments[:, 1] = starts[ids], ends[ids] - starts[ids]
         try:
-            buffer = zstandard.BufferWithSegments(frames[int(ids[0])], segments.tobytes())
+            buffer = zstandard.BufferWithSegments(frame, segments.tobytes())
             decoded = dctx.multi_decompress_to_buffer(buffer, decompressed_sizes=sizes[ids].astype(np.uint64).tobytes())
         except (zstandard.ZstdError, ValueError):
             return None
@@ -106,20 +107,22 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
     steps = [p.steps[0] for p in plans]
     locations = [p.location for p in plans]
     count = len(states)
-    sizes = np.fromiter((loc.nbytes for loc in locations), dtype=np.int64, count=count)
+    sizes = np.array(list(map(_NBYTES, locations)), dtype=np.int64)
     firsts = np.zeros(count, dtype=np.int64)
     np.cumsum(sizes[:-1], out=firsts[1:])
-    frames = [maps._bucket(s) for s in steps]
-    frame_groups = _groups([id(f) for f in frames])
-    decoded = _decode(frames, frame_groups, steps, sizes, firsts)
+    starts = np.array(list(map(_START, steps)), dtype=np.int64)
+    ends = np.array(list(map(_END, steps)), dtype=np.int64)
+    frame_groups = _groups([id(s.bucket) for s in steps])  # one bucket's steps share its Path
+    frames = [maps._bucket(steps[int(ids[0])]) for ids in frame_groups]
+    decoded = _decode(frames, frame_groups, starts, ends, sizes, firsts)
     if decoded is None:
         return None
-    offsets = np.fromiter((loc.offset for loc in locations), dtype=np.int64, count=count)
+    offsets = np.array(list(map(_OFFSET, locations)), dtype=np.int64)
     written = np.empty_like(decoded)
     pages = np.zeros(count, dtype=np.int64)
     releases: list[tuple[int, int, int]] = []
     views = {}
-    for ids in _groups([loc.file for loc in locations]):
+    for ids in _groups(list(map(_FILE, locations))):
         view = maps.shards.array(locations[int(ids[0])].file)
         views[id(view)] = view
         size = sizes[ids]
@@ -141,12 +144,9 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
         state.bounds, state.decoders = [(0, location.nbytes)], [None]  # undo decodes the frame again
         state.blocks, state.steps_in_block, state.pages_written = 1, 0, n
         state.blocks_unchanged = 0 if n else 1
-    for ids in frame_groups:
-        frame = frames[int(ids[0])]
+    for frame, ids in zip(frames, frame_groups):
         views[id(frame)] = frame
-        members = [steps[i] for i in ids.tolist()]
-        releases += _merged(id(frame), np.fromiter((s.start for s in members), dtype=np.int64, count=ids.size),
-                            np.fromiter((s.end for s in members), dtype=np.int64, count=ids.size))
+        releases += _merged(id(frame), starts[ids], ends[ids])
     maps.release_small(views, releases)
     for _ in range(count):
         killpoint("apply.block")
