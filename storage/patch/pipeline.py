@@ -193,10 +193,11 @@ class ArrivingPlans:
         # Bookkeeping of ``take``, O(1) amortized per tensor and file (a heap push/pop per tensor):
         # which tensors wait for each file, how many of its files each tensor still misses, the ready ones
         # in a heap by priority (largest first, then the greatest name: as ``max((nbytes, name))``).
-        priority = sorted(needs, key=lambda t: (checkpoint[t].nbytes, t), reverse=True)
+        priority = [t for _, t in sorted([(checkpoint[t].nbytes, t) for t in needs], reverse=True)]
         self._priority = dict(zip(priority, range(len(priority))))
         self._by_priority = priority
         file_key = {key: (self._deltas[key[0]].version, key[1]) for key in rank}  # (delta, bucket) -> file
+        self._file_key = file_key
         waiting: dict[tuple[str, str], list[str]] = {}
         missing: dict[str, int] = {}
         total = 0  # bytes the apply pass folds: each tensor's size times the deltas that change it
@@ -252,8 +253,8 @@ class ArrivingPlans:
             self._absorb()
             name = self._by_priority[heapq.heappop(self._ready_heap)]
             self._left -= 1
-            for i, bucket in self._needs[name]:
-                self._wanted[(self._deltas[i].version, bucket)] -= 1
+            for key in self._needs[name]:
+                self._wanted[self._file_key[key]] -= 1
             return name
 
     def take_many(self, limit: int, small: int) -> list[str]:
@@ -263,17 +264,18 @@ class ArrivingPlans:
             if not self._left:
                 return []
             self._absorb()
-            heap, by_priority, checkpoint = self._ready_heap, self._by_priority, self._checkpoint
-            wanted, needs, deltas = self._wanted, self._needs, self._deltas
-            taken: list[str] = []
-            while heap and len(taken) < limit:
-                name = by_priority[heap[0]]
-                if taken and (checkpoint[name].nbytes >= small or checkpoint[taken[0]].nbytes >= small):
-                    break
-                heapq.heappop(heap)
-                taken.append(name)
-                for i, bucket in needs[name]:
-                    wanted[(deltas[i].version, bucket)] -= 1
+            heap, by_priority, pop = self._ready_heap, self._by_priority, heapq.heappop
+            wanted, needs, file_key = self._wanted, self._needs, self._file_key
+            first = by_priority[pop(heap)]
+            taken = [first]
+            # the heap hands tensors out in priority order (no push happens here): after a first one under
+            # ``small`` every other one is no larger, hence under ``small`` too
+            if self._checkpoint[first].nbytes < small:
+                while heap and len(taken) < limit:
+                    taken.append(by_priority[pop(heap)])
+            for name in taken:
+                for key in needs[name]:
+                    wanted[file_key[key]] -= 1
             self._left -= len(taken)
             return taken
 
