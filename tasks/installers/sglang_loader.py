@@ -31,16 +31,19 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Literal, Protocol
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from storage.durable import atomic_write_json, read_json_file, remove_tree
+from storage.durable import atomic_write_json, remove_tree
+from storage.jsonio.bounded_json import STORE_RECORD, load_json, parse_record, read_bounded, read_record
 from storage.errors import FormatError, InstallError
 from storage.store.local_store import READY, LocalStore, now_ms
+from storage.store.records import Files
 from storage.settings import DEFAULT_CACHE_DIR
 from tasks.installers.weights_reader import READ_THREADS, parallel_weights
 
@@ -68,9 +71,13 @@ class LoaderSettings(BaseSettings):
 # -- the request and report records --------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
 class LoadRequest:
-    """``install/request.json``: the verified checkpoint the engine must load, and until when."""
+    """``install/request.json``: the verified checkpoint the engine must load, and until when.
+
+    A strict record (read through ``storage.jsonio.bounded_json``): a field of the wrong type, a missing one
+    or a key it does not know is refused as a ``FormatError`` naming the file and the field. Only this program
+    writes it (the receiver), for this program (the loader in the engine); ``schema`` names its version."""
 
     request_id: str
     model: str
@@ -78,33 +85,27 @@ class LoadRequest:
     digest: str
     format_digest: str
     path: str  # checkpoint folder, relative to the store root
-    files: dict
+    files: Files
     installer: str
     created_at_unix_ms: int
     deadline_unix_ms: int
-    schema: str = REQUEST_SCHEMA
+    schema: Literal["canonical-refit.install-request.v1"] = REQUEST_SCHEMA
 
     @classmethod
     def from_json(cls, raw: object, *, file: str) -> "LoadRequest":
-        """Parse and check every field; a bad record raises ``FormatError`` naming the field."""
-        if not isinstance(raw, dict):
-            raise FormatError("the install request is not a JSON object", file=file)
-        kinds = {"request_id": str, "model": str, "version": str, "digest": str, "format_digest": str,
-                 "path": str, "files": dict, "installer": str, "created_at_unix_ms": int,
-                 "deadline_unix_ms": int, "schema": str}
-        for name, kind in kinds.items():
-            if not isinstance(raw.get(name), kind) or isinstance(raw.get(name), bool):
-                raise FormatError(f"the install request lacks a valid {name!r}", file=file, field=name,
-                                  revision=raw.get("version") if isinstance(raw.get("version"), str) else None)
-        if raw["schema"] != REQUEST_SCHEMA:
-            raise FormatError(f"unsupported install request schema {raw['schema']!r}", file=file, field="schema",
-                              revision=raw["version"])
-        return cls(**{name: raw[name] for name in kinds})
+        """Parse and check every field; a bad record raises ``FormatError`` naming the file and the field."""
+        if isinstance(raw, dict) and "schema" not in raw:  # written by every receiver: its absence is damage
+            raise FormatError("the install request has no 'schema'", file=file, field="schema")
+        return parse_record(cls, raw, error=FormatError, file=file)
 
 
-@dataclass
+@dataclass(config=ConfigDict(strict=True, extra="ignore"))
 class LoadReport:
-    """One rank's account of one request: where it got to, and whether weights may have changed."""
+    """One rank's account of one request: where it got to, and whether weights may have changed.
+
+    A strict record too, but a key it does not know is ignored: the engine's loader may be a newer copy of
+    this program than the receiver reading its report, and a report refused reads as a rank that may have
+    changed the engine's weights."""
 
     request_id: str
     version: str
@@ -149,9 +150,12 @@ def write_request(store: LocalStore, request: LoadRequest) -> None:
 
 
 def read_request(store: LocalStore) -> LoadRequest | None:
+    """The request the receiver wrote, None if there is none; ``FormatError`` naming the file if it is refused."""
     path = request_path(store)
-    raw = read_json_file(path)
-    return None if raw is None else LoadRequest.from_json(raw, file=str(path))
+    raw = read_bounded(path, STORE_RECORD, error=FormatError, missing_ok=True, file=str(path))
+    if raw is None:
+        return None
+    return LoadRequest.from_json(load_json(raw, STORE_RECORD, error=FormatError, file=str(path)), file=str(path))
 
 
 def read_reports(store: LocalStore, request_id: str) -> list[LoadReport]:
@@ -160,9 +164,12 @@ def read_reports(store: LocalStore, request_id: str) -> list[LoadReport]:
     out = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
         try:
-            out.append(LoadReport(**read_json_file(path)))
-        except (TypeError, ValueError):
-            out.append(LoadReport(request_id, "?", status="unreadable", message=f"unreadable report {path}"))
+            out.append(read_record(path, LoadReport, STORE_RECORD, error=FormatError, file=str(path)))
+        except FormatError as exc:
+            log.warning("a rank's load report is refused, counted as a rank that may have changed the "
+                        "engine's weights: %s", exc)
+            out.append(LoadReport(request_id, "?", status="unreadable", message=f"unreadable report {path}: "
+                                                                                  f"{exc.reason}"))
     return out
 
 
