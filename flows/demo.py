@@ -26,6 +26,25 @@ def demo_dir() -> Path:
     return Path(os.environ.get("CANONICAL_REFIT_DEMO_DIR", ".canonical-refit-demo")).resolve()
 
 
+def _last_step(steps_file: Path) -> int | None:
+    """The last step the demo trainer published (``trainer/steps.json``, ``{"step": n}``), None before the
+    first run; a file refused by the strict record parser is a ``FormatError`` naming it."""
+    from pydantic import ConfigDict
+    from pydantic.dataclasses import dataclass
+
+    from storage.errors import FormatError
+    from storage.jsonio.bounded_json import RECORD, read_record
+
+    @dataclass(frozen=True, config=ConfigDict(strict=True, extra="forbid"))
+    class Steps:  # the demo's own file: an unknown key is refused
+        step: int
+
+    hint = f"; delete {steps_file.parent.parent} to start the demo over"
+    steps = read_record(steps_file, Steps, RECORD, error=FormatError, hint=hint, missing_ok=True,
+                        local_file=str(steps_file))
+    return None if steps is None else steps.step
+
+
 def run_demo() -> int:
     """Publish the next demo revision(s), refit to latest, print the stage table and identity."""
     from flows.publish import publish
@@ -38,7 +57,7 @@ def run_demo() -> int:
     catalog = normalize_url(str(root / "catalog"))
     trainer = root / "trainer"
     steps_file = trainer / "steps.json"
-    step = json.loads(steps_file.read_text())["step"] if steps_file.exists() else None
+    step = _last_step(steps_file)
 
     def publish_step(n: int, kind: str, tensors) -> None:
         folder = trainer / f"step-{n}"
