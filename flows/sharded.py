@@ -150,7 +150,7 @@ def _publish_part(pub: Publisher, plan: PublicationPlan, base: Revision | None, 
                                                                       workers=params.workers))
             if snap is None:
                 raise LineageError(f"rank {rank} keeps no copy of its tensors of the base revision {base.version}; "
-                                   "pass them as --base-checkpoint, or publish this revision with --kind full",
+                                   'pass them as base_checkpoint=, or publish this revision with kind="full"',
                                    revision=plan.version, field="base_checkpoint")
             require_same_layout(snap.index.layout(), target.layout(), revision=plan.version,
                                 file=str(params.checkpoint) if source_is_folder(target) else None)
