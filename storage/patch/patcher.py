@@ -33,7 +33,7 @@ log = logging.getLogger("canonical_refit.patcher")
 BLOCK_SIZE = 4 * 2**20  # per tensor block: few madvise calls; the block and its scratch stay in the L3 cache
 MIN_FOLD_BLOCK = 2**20
 TINY_BATCH = 512  # tensors an apply worker takes at once: tiny ones are patched together (applier.apply_tiny)
-TINY_BYTES = 2**20  # ... in groups of at most this many bytes (a batch's index arrays are 8 bytes a byte)
+TINY_BYTES = 2**18  # ... in groups of at most this many bytes (its index arrays take 8 bytes a byte, a few times)
 
 
 class PlanSource(Protocol):
