@@ -70,7 +70,7 @@ from uuid import UUID
 
 from deployments.agent_config import (  # noqa: F401 (re-exported: the agent's public names)
     CANCEL_POLL_NO_EVENTS_S, CANCEL_POLL_S, CANCELLING_EVENT, FOLLOW_UP_S, HEAD_POLL_S, HEARTBEAT_S, MAX_BACKOFF_S,
-    POLL_S, SHUTDOWN_S, AgentStats, Publications,
+    POLL_S, SHUTDOWN_S, AgentStats, Publications, PublishFanOut,
 )
 from deployments.agent_events import EventListening
 from deployments.agent_head import HeadCheck, _only_if_newer, _target  # noqa: F401 (re-exported)

@@ -39,6 +39,11 @@ class AgentStats:
     started_at: float = field(default_factory=time.monotonic)
     run_starts: list[dict] = field(default_factory=list)  # flow run, expected start, claimed at
 
+    @property
+    def fan_outs(self) -> int:
+        """Deprecated alias of ``catch_ups`` (the runs the loop created; there is no run per event any more)."""
+        return self.catch_ups
+
 
 @dataclass(frozen=True)
 class Publications:
@@ -49,3 +54,6 @@ class Publications:
     event: str  # the event's name
     resource_prefix: str  # the model's published events: their resource id starts so
     parameters: Callable[[str], dict]  # a run's parameters for a desired version
+
+
+PublishFanOut = Publications  # deprecated alias: the agent's loop, not a run per event, is the one fan-out path
