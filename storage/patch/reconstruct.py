@@ -277,11 +277,13 @@ def verify_target(
         raise CheckpointMismatch(f"checkpoint layout {layout_digest} differs from the catalog's "
                                  f"{target.format_digest}", field="format_digest", **context)
     fmt = target.checksum_format
+    tensors = index.tensors
     checksums: dict[str, str] = {}
-    if base is not None and base.checksum_format == fmt and not full:
-        checksums.update({k: v for k, v in base.checksums.items() if k in index.tensors})
+    every = len(patched) == len(tensors) and patched.keys() == tensors.keys()  # a step that changed every tensor
+    if base is not None and base.checksum_format == fmt and not full and not every:
+        checksums.update({k: v for k, v in base.checksums.items() if k in tensors})
     checksums.update(patched)
-    reread = sorted(index.tensors) if full else sorted(set(index.tensors) - set(checksums))
+    reread = sorted(tensors) if full else sorted(n for n in tensors if n not in checksums)
     if reread:
         fresh = index.checksums(fmt, names=reread, workers=workers, progress=progress, stop=stop)
         for name, value in fresh.items():
@@ -289,7 +291,7 @@ def verify_target(
                 raise ChecksumMismatch(f"bytes on disk hash to {value}, the apply pass computed {patched[name]}",
                                        tensor=name, **context)
         checksums.update(fresh)
-    missing = sorted(set(index.tensors) - set(checksums))
+    missing = sorted(n for n in tensors if n not in checksums)
     if missing:
         raise CheckpointMismatch("tensor has no verified checksum", tensor=missing[0], **context)
     digest = snapshot_digest(fmt, layout_digest, checksums)
