@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping, TypeVar
 
-from pydantic import ConfigDict, StrictStr, field_validator
+from pydantic import ConfigDict, field_validator
 from pydantic.dataclasses import dataclass as record
 
 from storage.catalog.records import Revision
 from storage.format.checkpoint import check_shard_name
-from storage.jsonio.bounded_json import INDEX, load_record
+from storage.jsonio.bounded_json import INDEX, load_record, parse_record
 from storage.format.digests import CHECKSUM_FORMATS
 from storage.errors import FormatError, ManifestError
 from storage.urls import join_url, parent_url
@@ -20,7 +20,7 @@ from storage.urls import join_url, parent_url
 MAX_INDEX_BYTES = INDEX.max_bytes  # 64 MiB; depth and element bounds: storage.jsonio.bounded_json.INDEX
 DELTA_ENCODINGS = ("xor", "xor_sparse", "overwrite", "xor_gaps")  # xor_gaps: opt-in, see storage.format.gaps
 DELTA_INDEX_FILE = "delta.safetensors.index.json"
-T = TypeVar("T")
+T, M = TypeVar("T"), TypeVar("M")
 
 
 @dataclass(frozen=True)
@@ -66,16 +66,16 @@ class Manifest:
 # Keys these records do not name are ignored: an index is a catalog object any publisher writes (a standard
 # Hugging Face index carries ``metadata.total_size``, other tools add their own keys). A known key of the
 # wrong type, or a required one missing, is refused as a ManifestError naming the file, the revision and the
-# field (``metadata.delta_encoding``, ``weight_map.<tensor>``). Strict by type (``StrictStr``: no coercion), not
-# by config: a strict config would also refuse the JSON object that becomes the nested ``metadata`` record.
-_INDEX_RECORD = ConfigDict(extra="ignore")
+# field: the index's own (``metadata``, ``weight_map.<tensor>``), then, its metadata parsed as a record of its
+# own, the metadata's (``delta_encoding``).
+_INDEX_RECORD = ConfigDict(strict=True, extra="ignore")
 
 
 @record(frozen=True, config=_INDEX_RECORD)
 class FullIndexMetadata:
     """``metadata`` of a ``model.safetensors.index.json``: ``checksum_format`` may be absent, never null."""
 
-    checksum_format: StrictStr | None = None
+    checksum_format: str | None = None
 
     @field_validator("checksum_format", mode="before")
     @classmethod
@@ -89,32 +89,35 @@ class FullIndexMetadata:
 class FullIndex:
     """A full checkpoint's index: ``metadata`` (optional) and ``weight_map`` ``{tensor: shard file}``."""
 
-    weight_map: dict[StrictStr, StrictStr]
-    metadata: FullIndexMetadata = FullIndexMetadata()
+    weight_map: dict[str, str]
+    metadata: dict = field(default_factory=dict)  # a FullIndexMetadata
 
 
 @record(frozen=True, config=_INDEX_RECORD)
 class DeltaIndexMetadata:
     """``metadata`` of ``delta.safetensors.index.json``: every key required (docs/format.md, section 5)."""
 
-    version: StrictStr
-    base_version: StrictStr
-    compression_format: StrictStr
-    delta_encoding: StrictStr
-    checksum_format: StrictStr
+    version: str
+    base_version: str
+    compression_format: str
+    delta_encoding: str
+    checksum_format: str
 
 
 @record(frozen=True, config=_INDEX_RECORD)
 class DeltaIndex:
     """A delta's index: ``metadata`` and ``weight_map`` ``{tensor: bucket file}`` (may be empty)."""
 
-    metadata: DeltaIndexMetadata
-    weight_map: dict[StrictStr, StrictStr]
+    metadata: dict  # a DeltaIndexMetadata
+    weight_map: dict[str, str]
 
 
-def _parse(cls: type[T], raw: bytes, revision: Revision, uri: str) -> T:
-    """The bounded JSON of ``raw`` as the strict index record ``cls``, or a ManifestError naming the file."""
-    return load_record(raw, cls, INDEX, error=ManifestError, revision=revision.version, file=uri)
+def _parse(cls: type[T], metadata_cls: type[M], raw: bytes, revision: Revision, uri: str) -> tuple[T, M]:
+    """The bounded JSON of ``raw`` as the strict index record ``cls`` and its metadata as ``metadata_cls``, or a
+    ManifestError naming the file, the revision and the field."""
+    index = load_record(raw, cls, INDEX, error=ManifestError, revision=revision.version, file=uri)
+    return index, parse_record(metadata_cls, index.metadata, error=ManifestError, revision=revision.version,
+                               file=uri)
 
 
 def _weight_map(weight_map: dict[str, str], revision: Revision, uri: str, *, allow_empty: bool) -> dict[str, str]:
@@ -131,12 +134,12 @@ def _weight_map(weight_map: dict[str, str], revision: Revision, uri: str, *, all
 def parse_full_manifest(raw: bytes, revision: Revision) -> Manifest:
     """A standard ``model.safetensors.index.json``; ``checksum_format`` in its metadata is optional."""
     uri = revision.uri
-    index = _parse(FullIndex, raw, revision, uri)
-    checksum_format = index.metadata.checksum_format
+    index, metadata = _parse(FullIndex, FullIndexMetadata, raw, revision, uri)
+    checksum_format = metadata.checksum_format
     if checksum_format is not None and checksum_format not in CHECKSUM_FORMATS:
         raise ManifestError(f"unsupported checksum format {checksum_format!r} (supported: "
                             f"{', '.join(CHECKSUM_FORMATS)})", revision=revision.version, file=uri,
-                            field="metadata.checksum_format")
+                            field="checksum_format")
     weight_map = _weight_map(index.weight_map, revision, uri, allow_empty=False)
     return Manifest(revision, uri, weight_map, checksum_format, None, raw)
 
@@ -144,17 +147,16 @@ def parse_full_manifest(raw: bytes, revision: Revision) -> Manifest:
 def parse_delta_manifest(raw: bytes, revision: Revision) -> Manifest:
     """A delta index whose metadata must agree with the catalog record, field by field."""
     uri = revision.uri
-    index = _parse(DeltaIndex, raw, revision, uri)
-    metadata = index.metadata
+    index, metadata = _parse(DeltaIndex, DeltaIndexMetadata, raw, revision, uri)
 
     def need(name: str, expected=None, allowed=None) -> str:
         got = getattr(metadata, name)
         if expected is not None and got != expected:
             raise ManifestError(f"delta metadata {name} is {got!r}, the catalog says {expected!r}",
-                                revision=revision.version, file=uri, field=f"metadata.{name}")
+                                revision=revision.version, file=uri, field=name)
         if allowed is not None and got not in allowed:
             raise ManifestError(f"unsupported {name} {got!r} (supported: {', '.join(allowed)})",
-                                revision=revision.version, file=uri, field=f"metadata.{name}")
+                                revision=revision.version, file=uri, field=name)
         return got
 
     need("version", revision.version)

@@ -1,6 +1,7 @@
 """Index manifests are strict records read by the one record parser: today's files parse as before, keys a
 publisher adds are ignored, and a known key of the wrong type or a missing one is a ManifestError naming the
-file, the revision and the field (docs/format.md, section 5)."""
+file, the revision and the field: the index's (``metadata``, ``weight_map.<tensor>``), or its metadata's
+(``delta_encoding``), the metadata being a record of its own (docs/format.md, sections 5 and 10.4)."""
 
 from __future__ import annotations
 
@@ -49,31 +50,31 @@ def test_todays_indexes_parse_with_the_keys_other_publishers_add():
     assert m.raw == raw  # the bytes are kept as read: the identity is over them
 
 
-@pytest.mark.parametrize("document, field", [
-    (delta(metadata={**delta()["metadata"], "version": 2}), "metadata.version"),
-    (delta(metadata={**delta()["metadata"], "delta_encoding": ["xor"]}), "metadata.delta_encoding"),
+@pytest.mark.parametrize("document, record, field", [
+    (delta(metadata={**delta()["metadata"], "version": 2}), "DeltaIndexMetadata", "version"),
+    (delta(metadata={**delta()["metadata"], "delta_encoding": ["xor"]}), "DeltaIndexMetadata", "delta_encoding"),
     (delta(metadata={k: v for k, v in delta()["metadata"].items() if k != "compression_format"}),
-     "metadata.compression_format"),
-    (delta(metadata="xor"), "metadata"),
-    (delta(weight_map={"a.w": 7}), "weight_map.a.w"),
-    (delta(weight_map=["bucket-00000.safetensors"]), "weight_map"),
-    ({"weight_map": {}}, "metadata"),
+     "DeltaIndexMetadata", "compression_format"),
+    (delta(metadata="xor"), "DeltaIndex", "metadata"),
+    (delta(weight_map={"a.w": 7}), "DeltaIndex", "weight_map.a.w"),
+    (delta(weight_map=["bucket-00000.safetensors"]), "DeltaIndex", "weight_map"),
+    ({"weight_map": {}}, "DeltaIndex", "metadata"),
 ])
-def test_a_delta_index_of_the_wrong_shape_names_the_field(document, field):
-    with pytest.raises(ManifestError, match="not a valid DeltaIndex record") as info:
+def test_a_delta_index_of_the_wrong_shape_names_the_field(document, record, field):
+    with pytest.raises(ManifestError, match=f"not a valid {record} record") as info:
         parse_delta_manifest(json.dumps(document).encode(), revision("delta"))
     assert (info.value.field, info.value.revision, info.value.file) == (field, "r2", DELTA_URI)
 
 
-@pytest.mark.parametrize("document, field", [
-    (full(metadata={"checksum_format": None}), "metadata.checksum_format"),  # absent means none; null is refused
-    (full(metadata={"checksum_format": 3}), "metadata.checksum_format"),
-    (full(metadata=[]), "metadata"),
-    (full(weight_map={"a.w": None}), "weight_map.a.w"),
-    ({"metadata": {}}, "weight_map"),
+@pytest.mark.parametrize("document, record, field", [
+    (full(metadata={"checksum_format": None}), "FullIndexMetadata", "checksum_format"),  # absent: none; null: refused
+    (full(metadata={"checksum_format": 3}), "FullIndexMetadata", "checksum_format"),
+    (full(metadata=[]), "FullIndex", "metadata"),
+    (full(weight_map={"a.w": None}), "FullIndex", "weight_map.a.w"),
+    ({"metadata": {}}, "FullIndex", "weight_map"),
 ])
-def test_a_full_index_of_the_wrong_shape_names_the_field(document, field):
-    with pytest.raises(ManifestError, match="not a valid FullIndex record") as info:
+def test_a_full_index_of_the_wrong_shape_names_the_field(document, record, field):
+    with pytest.raises(ManifestError, match=f"not a valid {record} record") as info:
         parse_full_manifest(json.dumps(document).encode(), revision("full"))
     assert (info.value.field, info.value.revision, info.value.file) == (field, "r2", FULL_URI)
 
