@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from typing import Iterator, Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from storage.settings import Settings, settings_config
 
 log = logging.getLogger("canonical_refit.api")
 
@@ -39,10 +40,10 @@ def notice(message: str) -> None:
 STARTUP_TIMEOUT_S = 120
 
 
-class ApiSettings(BaseSettings):
+class ApiSettings(Settings):
     """Which Prefect API a command uses when ``PREFECT_API_URL`` is not set (env prefix ``CANONICAL_REFIT_API_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_API_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_API_")
 
     mode: Literal["local", "private"] = Field(
         "local", description="local: start (or reuse) the local Prefect server of PREFECT_HOME, kept for later "

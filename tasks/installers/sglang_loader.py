@@ -37,14 +37,13 @@ from typing import Callable, Iterable, Iterator, Literal, Protocol
 
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage.durable import atomic_write_json, remove_tree
 from storage.jsonio.bounded_json import STORE_RECORD, load_json, parse_record, read_bounded, read_record
 from storage.errors import FormatError, InstallError
 from storage.store.local_store import READY, LocalStore, now_ms
 from storage.store.records import Files
-from storage.settings import DEFAULT_CACHE_DIR
+from storage.settings import DEFAULT_CACHE_DIR, Settings, settings_config
 from tasks.installers.weights_reader import READ_THREADS, parallel_weights
 
 log = logging.getLogger("canonical_refit.sglang_loader")
@@ -55,10 +54,10 @@ VALIDATING, LOADING, OK, FAILED = "validating", "loading", "ok", "failed"
 TERMINAL = (OK, FAILED)
 
 
-class LoaderSettings(BaseSettings):
+class LoaderSettings(Settings):
     """Where the engine finds the receiver's store (the receiver's own variables, prefix ``CANONICAL_REFIT_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="CANONICAL_REFIT_", extra="ignore")
+    model_config = settings_config("CANONICAL_REFIT_")
 
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="root of the receiver's local checkpoint store")
     model: str | None = Field(None, description="model id whose store the receiver prepares, e.g. org/name")
