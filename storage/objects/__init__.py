@@ -1,4 +1,5 @@
-"""Object storage through fsspec: the one place that knows about protocols (``store``); its S3 client
+"""Object storage through fsspec: the one place that knows about protocols (``store``); the local filesystem
+it lists and reads without fsspec (``localfiles``); its S3 client
 (``s3client``), request stats (``stats``) and conditional-write probe (``conditional``); the connection
 budget every data request shares (``budget``); ranged and resumable downloads (``transfer``: their
 sources in ``sources``, the partial file and its record in ``partial``, local copies in ``localcopy``);

@@ -10,14 +10,11 @@ object gets is chosen by ``storage.objects.store``, the one place that knows abo
 
 from __future__ import annotations
 
-import asyncio
 import os
 import stat
 from concurrent.futures import wait
 from contextlib import contextmanager
 from typing import Callable, Iterator
-
-from fsspec.asyn import sync
 
 from storage.errors import NotRegularFile, PermanentStorageError, TransientStorageError
 from storage.objects.classify import s3_error_code
@@ -66,6 +63,8 @@ class S3Source:
                     f"the object changed during the download (its ETag is no longer {identity}); "
                     "download it again to start over") from exc
             raise
+        from fsspec.asyn import sync  # an S3 source's filesystem is fsspec's: imported already
+
         body = resp["Body"]
         try:
             yield resp.get("ContentLength"), self._chunks(body, check)
@@ -83,6 +82,8 @@ class S3Source:
 
 def _await(loop, coro, check: Callable[[], None]):
     """Run ``coro`` on the filesystem's event loop; if ``check`` raises meanwhile, cancel it and re-raise."""
+    import asyncio  # a remote filesystem's event loop runs: imported already
+
     future = asyncio.run_coroutine_threadsafe(coro, loop)
     try:
         while not wait([future], timeout=0.05).done:

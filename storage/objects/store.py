@@ -14,6 +14,11 @@ module branches on the protocol, except the choice of a source's kind of copy
 The ranged downloads (``transfer``), multipart uploads (``multipart``), the
 conditional-write probe (``conditional``) and the stats (``stats``) it drives
 live in modules of their own; ``TransferStats`` stays importable from here.
+Those that only moving bytes needs (``transfer``, ``multipart``,
+``conditional``), fsspec and the S3 client are imported where a transfer or
+a remote filesystem needs them: a ``file://`` URL resolves to
+``storage.objects.localfiles``, so listing and reading local objects (``flows.fleet
+status`` on a ``file://`` catalog) imports none of them.
 """
 
 from __future__ import annotations
@@ -23,25 +28,23 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, TypeVar
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-
-import storage.objects.conditional as conditional
-import storage.objects.transfer as transfer
 from storage.durable import atomic_write_bytes, copy_bytes, create_only_write
 from storage.errors import (
     RefitError, ImmutableConflict, InvalidURI, PermanentStorageError, TransientStorageError,
 )
 from storage.objects.budget import ConnectionBudget
 from storage.objects.classify import classify, local_error
-from storage.objects.multipart import S3Multipart, upload_parts
+from storage.objects.localfiles import LocalFiles
 from storage.objects.s3client import s3_filesystem
-from storage.objects.sources import FsspecSource, LocalSource, S3Source, protocols_of
+from storage.objects.sources import FsspecSource, LocalSource, S3Source, open_regular, protocols_of, read_regular
 from storage.objects.stats import TransferStats
 from storage.settings import ObjectStoreSettings
 from storage.urls import normalize_url
+
+if TYPE_CHECKING:
+    import fsspec
 
 __all__ = ["ObjectStore", "TransferStats"]
 
@@ -111,6 +114,10 @@ class ObjectStore:
     def _build_filesystem(self, protocol: str, url: str) -> fsspec.AbstractFileSystem:
         if protocol in ("s3", "s3a"):
             return s3_filesystem(self.settings)
+        if protocol == "file":  # fsspec's LocalFileSystem, without importing fsspec to list and read
+            return LocalFiles()
+        import fsspec
+
         try:
             return fsspec.url_to_fs(url)[0]
         except (ImportError, ValueError) as exc:
@@ -118,6 +125,11 @@ class ObjectStore:
 
     @staticmethod
     def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+        """Whether ``fs`` is the local filesystem (``file://``, or another protocol built on fsspec's)."""
+        if isinstance(fs, LocalFiles):
+            return True
+        from fsspec.implementations.local import LocalFileSystem  # fs is fsspec's: fsspec is imported already
+
         return isinstance(fs, LocalFileSystem)
 
     def _source(self, fs: fsspec.AbstractFileSystem, path: str):
@@ -177,7 +189,7 @@ class ObjectStore:
         """Whole object, refusing objects larger than ``max_size`` before reading them."""
         fs, path = self.locate(url)
         if self.is_local(fs):  # a regular file only (a FIFO would block), never read past max_size
-            data = self.call("read", url, lambda: transfer.read_regular(path, url, max_size))
+            data = self.call("read", url, lambda: read_regular(path, url, max_size))
             self.stats.add(bytes_read=len(data))
             return data
 
@@ -200,7 +212,7 @@ class ObjectStore:
 
         def read() -> bytes:
             if self.is_local(fs):  # a regular file only: a FIFO would block
-                fd = transfer.open_regular(path, url)
+                fd = open_regular(path, url)
                 try:
                     data = os.pread(fd, max(0, end - start), start)
                 finally:
@@ -227,6 +239,8 @@ class ObjectStore:
         stops it within one chunk (``Cancelled``); ``progress(n)`` is told of
         bytes as they land. Local file errors raise ``StoreError`` naming the file.
         """
+        import storage.objects.transfer as transfer
+
         fs, path = self.locate(url)
         return transfer.download(self, self._source(fs, path), url, Path(dest), expected_size=expected_size,
                                  max_size=max_size, cancel=cancel, progress=progress)
@@ -374,6 +388,8 @@ class ObjectStore:
         exists = size >= 2 * part and not self.is_local(fs) and self.exists(url)
         if not exists:
             if multipart:
+                from storage.objects.multipart import S3Multipart, upload_parts
+
                 created = upload_parts(self, S3Multipart(fs, path), url, local, part)
             else:
                 created = self.call("create-only upload", url, put)
@@ -396,6 +412,8 @@ class ObjectStore:
     def ensure_conditional_writes(self, prefix_url: str, *, allow_unconditional: bool = False) -> None:
         """Check once per server and bucket that create-only writes are enforced (``storage.objects.conditional``:
         a server that ignores ``If-None-Match: *`` could let a publication replace an immutable revision)."""
+        import storage.objects.conditional as conditional
+
         conditional.ensure_conditional_writes(self, prefix_url, allow_unconditional=allow_unconditional)
 
 

@@ -9,7 +9,8 @@ it talks to the engines over HTTP), ``activate``, ``flows.fleet status`` and
 ``import flows.api`` load none, nor the heavy libraries a command needs only when
 it moves bytes or talks to a server (``HEAVY``: pydantic-settings, fsspec and
 the S3 stack, the codecs and digests, NumPy, httpx, asyncio; ``flows.fleet
-status`` reads its records through fsspec, and only that); a refit loads
+status`` on a ``file://`` catalog lists and reads its records without fsspec, and without the object
+store's transfer modules, ``TRANSFER``); a refit loads
 Prefect and its flow run works (also ``tests/system/test_receiver_cli.py``: the demo and the JSON CLI runs),
 with Prefect's environment defaults set before Prefect was imported
 (``flows.bootstrap``). How fast they start is measured by
@@ -29,10 +30,15 @@ from tests.support.lab import ROOT_DIR, Lab, tiny_shape
 from tests.support.sglang_flows import cli_args, sglang
 from tests.support.sglang_mock import MockSGLang
 from tests.support.sglang_support import engine_env, fake_sglang  # noqa: F401  (fixture)
+from storage.catalog.nodes import NodeRecord, write_node_record
+from storage.format.status import READY
+from storage.objects.store import ObjectStore
 from storage.store.local_store import LocalStore
 
 HEAVY = ("pydantic_settings", "fsspec", "s3fs", "aiobotocore", "botocore", "aiohttp", "zstandard", "xxhash", "blake3",
          "isal", "numpy", "httpx", "asyncio", "cryptography", "safetensors", "torch")
+TRANSFER = ("storage.objects.transfer", "storage.objects.partial", "storage.objects.conditional",
+            "storage.objects.multipart", "storage.objects.localcopy")  # what only moving bytes needs
 HELP = ["flows.refit", "flows.refit status", "flows.refit recover", "flows.refit activate", "flows.publish",
         "flows.publish orphans", "flows.publish keygen", "flows.fleet", "flows.fleet status", "flows.fleet wait",
         "flows.fleet forget", "deployments.serve", "flows.local_server", "flows.local_server status"]
@@ -40,13 +46,15 @@ HELP = ["flows.refit", "flows.refit status", "flows.refit recover", "flows.refit
 
 def run(args: list[str], env: dict | None = None, timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[str]]:
     """Run ``python -X importtime ARGS``; the finished process (its stderr without the import lines; ``.heavy``:
-    the ``HEAVY`` packages it imported) and the Prefect modules it imported."""
+    the ``HEAVY`` packages it imported; ``.imported``: every module it imported) and the Prefect modules it
+    imported."""
     done = subprocess.run([sys.executable, "-X", "importtime", *args], capture_output=True, text=True,
                           cwd=ROOT_DIR, env=env, timeout=timeout)
     lines = done.stderr.splitlines()
     imported = {line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time:")}
     done.stderr = "\n".join(line for line in lines if not line.startswith("import time:"))
     done.heavy = sorted(m for m in imported if m in HEAVY)
+    done.imported = imported
     assert any(m.split(".")[0] in ("flows", "deployments") for m in imported), "no import lines read"
     return done, sorted(m for m in imported if m.split(".")[0] == "prefect")
 
@@ -81,7 +89,32 @@ def test_an_empty_store_and_an_empty_fleet_answer_without_prefect_or_the_heavy_l
                          "org/m", "--json"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["nodes"] == [] and prefect == []
-    assert set(done.heavy) <= {"fsspec", "asyncio", "isal", "zstandard"}, done.heavy  # fsspec's own, no S3 stack
+    assert done.heavy == [] and not done.imported & set(TRANSFER), (done.heavy, done.imported & set(TRANSFER))
+
+
+def test_fleet_status_reads_a_file_catalogs_records_without_fsspec_or_the_transfer_modules(tmp_path):
+    """A ``file://`` catalog's node records are listed and read without fsspec: every record shown, a folder
+    and other names left out, what cannot be read (not JSON, another node's record under a link, a FIFO)
+    named, unread where it is no regular file."""
+    catalog, model = f"file://{tmp_path}/catalog", "org/m"
+    for node in ("gpu0", "gpu1"):
+        write_node_record(ObjectStore.shared(None), catalog, NodeRecord(node=node, model=model, version="r1",
+                                                                        digest="sha256:00", status=READY))
+    folder = tmp_path / "nodes" / "org--m"
+    (folder / "broken.json").write_text("{not json")
+    (folder / "folder.json").mkdir()
+    (folder / "notes.txt").write_text("not a record")
+    (folder / "alias.json").symlink_to(folder / "gpu0.json")
+    os.mkfifo(folder / "fifo.json")
+    done, prefect = run(["-m", "flows.fleet", "status", "--catalog", catalog, "--model", model, "--json"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    view = json.loads(done.stdout)
+    assert [(n["node"], n["version"], n["status"]) for n in view["nodes"]] == [("gpu0", "r1", "READY"),
+                                                                               ("gpu1", "r1", "READY")]
+    named = sorted(p.split(": ", 1)[0].rsplit("/", 1)[-1] for p in view["problems"])
+    assert named == ["alias.json", "broken.json", "fifo.json"], view["problems"]
+    assert any("not a regular file" in p for p in view["problems"]), view["problems"]
+    assert prefect == [] and done.heavy == [] and not done.imported & set(TRANSFER), done.heavy
 
 
 @pytest.fixture
