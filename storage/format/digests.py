@@ -7,6 +7,8 @@ import re
 import zlib
 from typing import Iterable, Mapping, Protocol
 
+import numpy as np
+
 from storage.jsonio.canonical import canonical_json
 from storage.errors import FormatError
 from storage.runtime.gc_pause import gc_paused
@@ -33,6 +35,55 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib is the refe
     _adler32 = zlib.adler32
 
 
+ADLER_MOD = 65521
+
+
+def adler32_of(data, value: int = 1) -> int:
+    """``zlib.adler32(data, value)`` (ISA-L's when installed)."""
+    return _adler32(data, value) & 0xFFFFFFFF
+
+
+def adler32_combine(first: int, second: int, length: int) -> int:
+    """adler32 of ``X + Y`` from ``first`` = adler32(X), ``second`` = adler32(Y) and ``length`` = len(Y) (zlib's
+    ``adler32_combine``): with A = 1 + sum of the bytes and B = the sum of A after each byte, both mod 65521,
+    A = A1 + A2 - 1 and B = B1 + B2 + len(Y) * (A1 - 1)."""
+    a1, a2 = first & 0xFFFF, second & 0xFFFF
+    a = (a1 + a2 - 1) % ADLER_MOD
+    b = ((first >> 16) + (second >> 16) + length * (a1 - 1)) % ADLER_MOD
+    return b << 16 | a
+
+
+def adler32_delta(length: int, index: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+    """What changing the bytes at ``index`` (distinct positions, < ``length`` <= 2**27) of a ``length``-byte
+    buffer from ``old`` to ``new`` (uint8) adds to its adler32's two sums A and B (mod 65521), from those bytes
+    alone (``adler32_add`` applies it to a checksum, ``adler32_sub`` takes it back).
+
+    adler32 is linear in the bytes: a byte at position i counts once in A and ``length - i`` times in B, so
+    changes d_i = new_i - old_i add sum(d_i) to A and ``length * sum(d_i) - sum(i * d_i)`` to B (the sums are
+    exact in int64 for buffers up to 2**27 bytes).
+    """
+    d = new.astype(np.int64)
+    d -= old
+    total, weighted = int(d.sum()), int(np.dot(index, d))
+    return total % ADLER_MOD, (length * total - weighted) % ADLER_MOD
+
+
+def adler32_add(value: int, delta: tuple[int, int]) -> int:
+    """The adler32 ``value`` of a buffer after the change ``delta`` (``adler32_delta``)."""
+    return ((value >> 16) + delta[1]) % ADLER_MOD << 16 | ((value & 0xFFFF) + delta[0]) % ADLER_MOD
+
+
+def adler32_sub(value: int, delta: tuple[int, int]) -> int:
+    """The adler32 ``value`` of a buffer before the change ``delta`` (``adler32_delta``)."""
+    return ((value >> 16) - delta[1]) % ADLER_MOD << 16 | ((value & 0xFFFF) - delta[0]) % ADLER_MOD
+
+
+def adler32_changed(value: int, length: int, index: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """adler32 of a ``length``-byte buffer whose adler32 was ``value`` once the bytes at ``index`` changed from
+    ``old`` to ``new`` (``adler32_delta``)."""
+    return adler32_add(value, adler32_delta(length, index, old, new))
+
+
 class _Adler32:
     __slots__ = ("value",)
 
@@ -41,6 +92,10 @@ class _Adler32:
 
     def update(self, data) -> None:
         self.value = _adler32(data, self.value)
+
+    def combine(self, value: int, length: int) -> None:
+        """Append a buffer of ``length`` bytes known only by its adler32 ``value``."""
+        self.value = adler32_combine(self.value & 0xFFFFFFFF, value, length)
 
     def hexdigest(self) -> str:
         return f"{self.value & 0xFFFFFFFF:08x}"

@@ -6,8 +6,9 @@ revision writes are populated writable in one ``MADV_POPULATE_WRITE`` call
 per run of them (on a shared file mapping that marks them dirty, so it is
 never used for pages that do not change); the rest only readable, for the
 checksums. The changes are applied in revision order, each revision's
-checksum updated on the running bytes actually written, and the block is
-unmapped (``MADV_DONTNEED``: the process does not keep the checkpoint
+checksum kept on the running bytes (``storage.patch.fold``: a catch-up hashes
+the block once, over the bytes as written, and derives the earlier revisions'
+adler32 from the bytes they changed), and the block is unmapped (``MADV_DONTNEED``: the process does not keep the checkpoint
 resident; dirty pages stay in the page cache and reach the disk later).
 
 Blocks after a tensor's first start on page boundaries of the file, so a
@@ -31,6 +32,7 @@ from storage.format.frames import SMALL_FRAME, decode_small
 from storage.format.digests import checksum_bytes, new_checksum
 from storage.errors import ChecksumMismatch
 from storage.runtime.killpoints import killpoint
+from storage.patch.fold import fold_block, linear_sums
 from storage.patch.tiny import apply_batch
 from storage.format.mapped import MADV_DONTNEED, MADV_POPULATE_READ, MADV_POPULATE_WRITE, MappedFiles, advise
 
@@ -230,6 +232,7 @@ def apply_tensor(maps: Maps, state: Progress, target_format: str, progress: Call
     state.decoders = decoders
     state.validated = [getattr(d, "validated", s.validated) for s, d in zip(plan.steps, decoders)]
     hashes = [new_checksum(s.checksum_format) for s in plan.steps]
+    linear = linear_sums([s.checksum_format for s in plan.steps])
     final_in_own_format = plan.steps[-1].checksum_format == target_format
     final = hashes[-1] if final_in_own_format else new_checksum(target_format)
     for offset, size in state.bounds:
@@ -239,11 +242,7 @@ def apply_tensor(maps: Maps, state: Progress, target_format: str, progress: Call
         pages = touched_pages(changes, head, size)
         block = maps.block(location, offset, size, pages)
         spans = page_spans(pages, head, size)  # a page outside them is only read: a store would dirty it
-        for i, (change, h) in enumerate(zip(changes, hashes)):
-            if change is not None and spans != []:
-                change.apply(block, spans)
-            state.steps_in_block = i + 1
-            h.update(block)  # the bytes as written: an apply bug cannot go unnoticed
+        fold_block(changes, block, spans, hashes, linear, state)  # each revision's checksum on the running bytes
         state.blocks, state.steps_in_block = state.blocks + 1, 0
         if pages is False:
             state.blocks_unchanged += 1
