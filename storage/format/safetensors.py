@@ -15,8 +15,12 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
+from itertools import chain
+from operator import itemgetter
 from pathlib import Path
 from typing import BinaryIO, Iterable, Mapping
+
+import numpy as np
 
 from storage.jsonio.bounded_json import HEADER, load_json
 from storage.errors import SafetensorsError
@@ -98,6 +102,90 @@ def parse_header(
             or not set(map(type, metadata.values())) <= {str}:
         raise fail("__metadata__ must map strings to strings")
     data_size = file_size - 8 - header_len
+    spans = _checked_spans(raw, data_size)
+    if spans is not None:  # every entry well formed and laid out in order: a table over the parsed entries
+        return SafetensorsHeader(header_len, metadata, HeaderTensors(raw, *spans), data_size)
+    return SafetensorsHeader(header_len, metadata, _tensor_infos(raw, data_size, fail), data_size)
+
+
+_FIELDS = tuple(map(itemgetter, ("dtype", "shape", "data_offsets")))
+
+
+def _checked_spans(raw: dict, data_size: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(starts, ends)`` of the entries of ``raw`` when every one is well formed (exactly dtype, shape and
+    data_offsets; a known dtype, non-negative int dimensions, two int offsets in order inside the data section,
+    the byte size ``product(shape) * dtype size``), laid out one after the other (no overlap) and the last one
+    ending the data section; None otherwise (``_tensor_infos`` then finds and names the problem). Checked for the
+    whole header in a few passes in C and array operations, not a loop of Python per tensor."""
+    entries = list(raw.values())
+    n = len(entries)
+    if not n or "" in raw or set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
+        return None
+    try:  # three keys, each of these three: exactly these
+        dtypes, shapes, offsets = (list(map(get, entries)) for get in _FIELDS)
+    except KeyError:
+        return None
+    if set(map(type, dtypes)) != {str} or not set(dtypes) <= DTYPE_SIZES.keys() \
+            or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    flat = list(chain.from_iterable(offsets))
+    dims = list(chain.from_iterable(shapes))
+    if set(map(type, flat)) != {int} or dims and (set(map(type, dims)) != {int} or min(dims) < 0):
+        return None
+    try:
+        spans = np.array(flat, dtype=np.int64)
+        counts = np.array(dims if set(map(len, shapes)) == {1} else list(map(math.prod, shapes)), dtype=np.int64)
+    except OverflowError:
+        return None
+    starts, ends = spans[0::2], spans[1::2]
+    if int(starts.min()) < 0 or bool((ends < starts).any()) or int(ends[-1]) != data_size \
+            or bool((starts[1:] < ends[:-1]).any()) or int(counts.max()) > data_size:
+        return None
+    kinds = set(dtypes)
+    width = DTYPE_SIZES[dtypes[0]] if len(kinds) == 1 else np.array([DTYPE_SIZES[d] for d in dtypes], np.int64)
+    if not np.array_equal(counts * width, ends - starts):
+        return None
+    return starts, ends
+
+
+class HeaderTensors(Mapping):
+    """A validated header's tensors (name -> ``TensorInfo``) over its parsed JSON entries: a ``TensorInfo`` is
+    made when one is asked for (a bucket of 100k tensors is checked from its columns without making any).
+    ``starts`` and ``ends`` hold every tensor's offsets in the data section, in the header's order."""
+
+    __slots__ = ("_entries", "starts", "ends")
+
+    def __init__(self, entries: dict, starts: np.ndarray, ends: np.ndarray) -> None:
+        self._entries, self.starts, self.ends = entries, starts, ends
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        entry = self._entries[name]
+        start, end = entry["data_offsets"]
+        info = object.__new__(TensorInfo)
+        _info_dict(info).update(name=name, dtype=entry["dtype"], shape=tuple(entry["shape"]), start=start, end=end)
+        return info
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def keys(self):
+        return self._entries.keys()
+
+    def dtypes(self) -> list[str]:
+        return list(map(_FIELDS[0], self._entries.values()))
+
+    def shapes(self) -> list[list[int]]:
+        return list(map(_FIELDS[1], self._entries.values()))
+
+
+def _tensor_infos(raw: dict, data_size: int, fail) -> dict[str, TensorInfo]:
+    """The tensors of a header ``_checked_spans`` did not take, one by one: raises naming what is wrong."""
     tensors: dict[str, TensorInfo] = {}
     sizes, keys, new, info_dict = DTYPE_SIZES, _TENSOR_KEYS, object.__new__, _info_dict
     end_so_far, in_order = 0, True  # entries laid out one after the other need no sort to show they never overlap
@@ -137,7 +225,7 @@ def parse_header(
     if last != data_size:  # nothing may follow the last tensor (what the safetensors library checks too)
         raise fail(f"{data_size - last} byte(s) follow the last tensor's end at {last} in the "
                    f"{data_size}-byte data section")
-    return SafetensorsHeader(header_len, metadata, tensors, data_size)
+    return tensors
 
 
 def _tensor_info(name: str, entry: object, data_size: int, fail) -> TensorInfo:

@@ -12,6 +12,7 @@ whole bucket in a few array operations; any other frame one by one
 from __future__ import annotations
 
 import re
+from operator import attrgetter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -26,7 +27,7 @@ from storage.format.codec import ValidatedFrame, check_frame
 from storage.format.digests import CHECKSUM_HEX_LENGTH, is_checksum
 from storage.format.frames import plain_xor_frames
 from storage.format.mapped import MappedFiles
-from storage.format.safetensors import SafetensorsHeader, read_header
+from storage.format.safetensors import HeaderTensors, SafetensorsHeader, read_header
 from storage.runtime.gc_pause import gc_paused_call
 
 
@@ -74,14 +75,38 @@ def bucket_steps(manifest: Manifest, bucket: str, path: Path,
     version = manifest.version
     header = read_header(path, revision=version, file=uri)
     expected = set(manifest.tensors_of(bucket))
-    for name in sorted(set(header.tensors) - expected):
+    for name in sorted(header.tensors.keys() - expected):
         raise ManifestError("bucket holds a tensor its index does not map to it", revision=version, file=uri,
                             tensor=name)
     if expected and not header.metadata:
         raise ManifestError("bucket has no __metadata__ with target checksums", revision=version, file=uri)
-    rows = _rows(header, expected, checkpoint, manifest.checksum_format, version=version, uri=uri)
-    steps = _frame_steps(manifest, path, uri, rows, checkpoint, workers)
-    return dict(zip((row[0] for row in rows), steps))
+    columns = _plain_columns(header, expected, checkpoint, manifest.checksum_format)
+    if columns is None:  # something is off (or a header not laid out in order): row by row, for the error
+        rows = _rows(header, expected, checkpoint, manifest.checksum_format, version=version, uri=uri)
+        columns = ([r[0] for r in rows], np.array([r[1] for r in rows], np.int64),
+                   np.array([r[2] for r in rows], np.int64), [r[3] for r in rows])
+    steps = _frame_steps(manifest, path, uri, *columns, checkpoint, workers)
+    return dict(zip(columns[0], steps))
+
+
+def _plain_columns(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str, TensorLocation],
+                   fmt: str) -> tuple[list[str], np.ndarray, np.ndarray, list[str]] | None:
+    """``(names, frame starts, frame ends, checksums)`` in the header's order when it holds exactly the
+    ``expected`` tensors (``bucket_steps`` refused any other already), all in the checkpoint, all 1-D ``U8``,
+    with a well formed checksum each: shown for the whole bucket from the header's columns
+    (``HeaderTensors``), no object a tensor; None otherwise (``_rows`` then names the problem)."""
+    tensors = header.tensors
+    if not isinstance(tensors, HeaderTensors) or len(tensors) != len(expected):
+        return None
+    names = list(tensors)
+    if not all(map(checkpoint.__contains__, names)) or set(tensors.dtypes()) != {"U8"} \
+            or set(map(len, tensors.shapes())) != {1}:
+        return None
+    checksums = _plain_checksums(fmt, header.metadata, names)
+    if checksums is None:
+        return None
+    offset = header.data_offset
+    return names, tensors.starts + offset, tensors.ends + offset, checksums
 
 
 def _rows(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str, TensorLocation], fmt: str, *,
@@ -91,7 +116,7 @@ def _rows(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str
     formed checksum. When all is well (the common case) it is shown for the whole bucket in a few set and
     list operations; otherwise the tensors are checked one by one, for the error."""
     tensors, metadata, data_offset = header.tensors, header.metadata, header.data_offset
-    plain = _plain_checksums(fmt, metadata, expected)  # every checksum well formed (one match for the bucket)
+    plain = _plain_checksums(fmt, metadata, expected) is not None  # every checksum well formed (one match)
     names = sorted(expected)
     if plain and expected <= tensors.keys() and all(name in checkpoint for name in names):
         infos = [tensors[name] for name in names]
@@ -122,10 +147,10 @@ def _rows(header: SafetensorsHeader, expected: set[str], checkpoint: Mapping[str
     return rows
 
 
-def _frame_steps(manifest: Manifest, path: Path, uri: str, rows: list[tuple[str, int, int, str]],
-                 checkpoint: Mapping[str, TensorLocation], workers: int) -> list[PatchStep]:
-    """Each row's step, its frame's structure checked: dense frames of the common shape for the whole bucket at
-    once (``plain_xor_frames``), the others one by one (``check_frame``), by ``workers`` threads."""
+def _frame_steps(manifest: Manifest, path: Path, uri: str, names: list[str], starts: np.ndarray, ends: np.ndarray,
+                 checksums: list[str], checkpoint: Mapping[str, TensorLocation], workers: int) -> list[PatchStep]:
+    """Each tensor's step, its frame's structure checked: dense frames of the common shape for the whole bucket at
+    once (``plain_xor_frames``), the others one by one (``check_frame``, in name order), by ``workers`` threads."""
     version, fmt = manifest.version, manifest.checksum_format
     encoding = manifest.delta_encoding
     with MappedFiles(path.parent) as maps:
@@ -138,19 +163,22 @@ def _frame_steps(manifest: Manifest, path: Path, uri: str, rows: list[tuple[str,
                                 revision=version, file=uri, tensor=name)
             return _patch_step(version, encoding, path, uri, start, end, checksum, fmt, frame)
 
-        steps: list[PatchStep | None] = [None] * len(rows)
-        slow = list(range(len(rows)))
-        if encoding == "xor" and rows:  # the common frame shape, checked for the whole bucket at once
-            sizes = [checkpoint[row[0]].nbytes for row in rows]
-            plain_frames = plain_xor_frames(data, np.fromiter((r[1] for r in rows), np.int64, len(rows)),
-                                            np.fromiter((r[2] for r in rows), np.int64, len(rows)),
-                                            np.array(sizes, dtype=np.int64))
+        steps: list[PatchStep | None] = [None] * len(names)
+        slow = range(len(names))
+        if encoding == "xor" and names:  # the common frame shape, checked for the whole bucket at once
+            sizes = np.fromiter(map(_NBYTES, map(checkpoint.__getitem__, names)), np.int64, len(names))
+            plain_frames = plain_xor_frames(data, starts, ends, sizes)
             slow = np.flatnonzero(~plain_frames).tolist()
-            for i in np.flatnonzero(plain_frames).tolist():
-                name, start, end, checksum = rows[i]
-                steps[i] = _patch_step(version, encoding, path, uri, start, end, checksum, fmt,
-                                       _xor_frame(sizes[i], end - start))
-        todo = [rows[i] for i in slow]
+            plain = np.flatnonzero(plain_frames)
+            common = {"revision": version, "encoding": encoding, "bucket": path, "bucket_uri": uri,
+                      "checksum_format": fmt}
+            made = _xor_steps(common, starts[plain].tolist(), ends[plain].tolist(),
+                              [checksums[i] for i in plain.tolist()], sizes[plain].tolist())
+            for i, step in zip(plain.tolist(), made):
+                steps[i] = step
+        slow = sorted(slow, key=names.__getitem__)  # the first bad frame in name order is the error raised
+        starts_of, ends_of = starts.tolist(), ends.tolist()
+        todo = [(names[i], starts_of[i], ends_of[i], checksums[i]) for i in slow]
         if workers > 1 and len(todo) > 1:
             groups = _groups(todo)  # tiny frames go to a thread together: one future per group, not per tensor
 
@@ -167,26 +195,33 @@ def _frame_steps(manifest: Manifest, path: Path, uri: str, rows: list[tuple[str,
     return steps
 
 
-def _plain_checksums(fmt: str, metadata: Mapping[str, str], names) -> bool:
-    """True when the checksums of ``names`` in ``metadata`` are all there and well formed (one regular expression
-    over them all); False leaves the check (and the error naming the tensor) to each one."""
+def _xor_steps(common: dict, starts: list[int], ends: list[int], checksums: list[str],
+               sizes: list[int]) -> list[PatchStep]:
+    """A ``PatchStep`` (``common`` fields and each frame's bounds and checksum) with its ``ValidatedFrame("xor",
+    size, frame size)`` for each frame ``plain_xor_frames`` proved, each made as one dictionary (not the frozen
+    dataclasses' ``object.__setattr__`` per field: a bucket holds 100k of them)."""
+    new, put, xor = object.__new__, object.__setattr__, _XOR_FRAME
+    out = []
+    for start, end, checksum, n in zip(starts, ends, checksums, sizes):
+        frame = new(ValidatedFrame)
+        put(frame, "__dict__", {**xor, "nbytes": n, "frame_size": end - start})
+        step = new(PatchStep)
+        put(step, "__dict__", {**common, "start": start, "end": end, "checksum": checksum, "validated": frame})
+        out.append(step)
+    return out
+
+
+def _plain_checksums(fmt: str, metadata: Mapping[str, str], names) -> list[str] | None:
+    """The checksums of ``names`` in ``metadata`` when they are all there and well formed (one regular expression
+    over them all); None leaves the check (and the error naming the tensor) to each one."""
     try:
-        values = [metadata[name] for name in names]
+        values = list(map(metadata.__getitem__, names))
     except KeyError:
-        return False
-    if not all(type(v) is str for v in values):
-        return False
+        return None
     width = CHECKSUM_HEX_LENGTH[fmt]
-    return re.fullmatch(f"(?:[0-9a-f]{{{width}}}\n)*", "".join(v + "\n" for v in values)) is not None \
-        if width else False
-
-
-def _xor_frame(nbytes: int, frame_size: int) -> ValidatedFrame:
-    """``ValidatedFrame("xor", nbytes, frame_size)`` without the frozen dataclass's per-field ``__setattr__``."""
-    frame = object.__new__(ValidatedFrame)
-    frame.__dict__.update(encoding="xor", nbytes=nbytes, frame_size=frame_size, count=None, ordered=True,
-                          positions_bytes=None, complete=True)
-    return frame
+    if not width or set(map(type, values)) - {str}:
+        return None
+    return values if re.fullmatch(f"(?:[0-9a-f]{{{width}}}\n)*", "".join(v + "\n" for v in values)) else None
 
 
 def _patch_step(*values) -> PatchStep:
@@ -198,6 +233,8 @@ def _patch_step(*values) -> PatchStep:
 
 
 _STEP_FIELDS = tuple(f.name for f in fields(PatchStep))
+_XOR_FRAME = {"encoding": "xor", "count": None, "ordered": True, "positions_bytes": None, "complete": True}
+_NBYTES = attrgetter("nbytes")
 VALIDATE_GROUP_BYTES, VALIDATE_GROUP_TENSORS = 2**20, 256
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections import Counter
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -174,47 +176,44 @@ class ArrivingPlans:
         self._deltas, self._folders, self._checkpoint = list(deltas), folders, checkpoint
         self._workers = workers  # threads checking a bucket's frames
         self._arrivals = arrivals
-        self._needs: dict[str, list[tuple[int, str]]] = {}
+        # one delta (a steady refit): each tensor needs one file, ready as soon as it is in; its plan is made
+        # with the others of its bucket once that is checked (``_bucket``), in one pass
+        self._one = len(self._deltas) == 1
         rank: dict[tuple[int, str], int] = {}
-        needs = self._needs
         for i, manifest in enumerate(self._deltas):
-            keys = {}
             for name in manifest.files:
-                keys[name] = (i, name)
                 rank[(i, name)] = len(rank)
-            for tensor, bucket in manifest.weight_map.items():
-                have = needs.get(tensor)
-                if have is None:
-                    needs[tensor] = [keys[bucket]]
-                else:
-                    have.append(keys[bucket])
         self._rank = rank
+        file_key = {key: (self._deltas[key[0]].version, key[1]) for key in rank}  # (delta, bucket) -> file
+        self._file_key = file_key
+        needs = self._needs = self._needed(rank)
         self._order: list[str] | None = None  # ``names()``, sorted when first asked for
         # Bookkeeping of ``take``, O(1) amortized per tensor and file (a heap push/pop per tensor):
         # which tensors wait for each file, how many of its files each tensor still misses, the ready ones
         # in a heap by priority (largest first, then the greatest name: as ``max((nbytes, name))``).
-        priority = [t for _, t in sorted([(checkpoint[t].nbytes, t) for t in needs], reverse=True)]
+        sizes = list(map(_NBYTES, map(checkpoint.__getitem__, needs)))
+        priority = list(map(_SECOND, sorted(zip(sizes, needs), reverse=True)))
         self._priority = dict(zip(priority, range(len(priority))))
         self._by_priority = priority
-        file_key = {key: (self._deltas[key[0]].version, key[1]) for key in rank}  # (delta, bucket) -> file
-        self._file_key = file_key
         waiting: dict[tuple[str, str], list[str]] = {}
         missing: dict[str, int] = {}
-        total = 0  # bytes the apply pass folds: each tensor's size times the deltas that change it
-        for t, ks in needs.items():
-            if len(ks) == 1:  # one delta changes it (a steady refit): no set to build
-                files = (file_key[ks[0]],)
-                total += checkpoint[t].nbytes
-            else:
+        if self._one:  # each tensor waits for its bucket alone: the manifest's own grouping
+            manifest = self._deltas[0]
+            for key in rank:
+                waiting[file_key[key]] = manifest.tensors_of(key[1])
+            total = sum(sizes)  # bytes the apply pass folds: each tensor's size times the deltas that change it
+        else:
+            total = 0
+            for t, ks in needs.items():
                 files = {file_key[k] for k in ks}
                 total += checkpoint[t].nbytes * len(ks)
-            missing[t] = len(files)
-            for key in files:
-                have = waiting.get(key)
-                if have is None:
-                    waiting[key] = [t]
-                else:
-                    have.append(t)
+                missing[t] = len(files)
+                for key in files:
+                    have = waiting.get(key)
+                    if have is None:
+                        waiting[key] = [t]
+                    else:
+                        have.append(t)
         self._waiting, self._missing, self._total = waiting, missing, total
         self._wanted = {key: len(ts) for key, ts in self._waiting.items()}  # untaken tensors needing each file
         self._ready_heap: list[int] = []
@@ -222,7 +221,25 @@ class ArrivingPlans:
         self._left = len(self._needs)  # tensors not taken yet
         self._take_lock = threading.Lock()
         self._steps: dict[tuple[int, str], dict[str, PatchStep]] = {}
+        self._plans: dict[str, TensorPlan] = {}  # one delta: each checked bucket's tensors' plans
         self._locks: dict[tuple[int, str], threading.Lock] = {k: threading.Lock() for k in rank}
+
+    def _needed(self, rank: dict[tuple[int, str], int]) -> dict[str, list[tuple[int, str]]]:
+        """Each tensor's ``(delta, bucket)`` keys, oldest delta first (one delta: one shared list a bucket)."""
+        if self._one:
+            weight_map = self._deltas[0].weight_map
+            shared = {name: [key] for key in rank for name in (key[1],)}
+            return dict(zip(weight_map, map(shared.__getitem__, weight_map.values())))
+        needs: dict[str, list[tuple[int, str]]] = {}
+        for i, manifest in enumerate(self._deltas):
+            keys = {name: (i, name) for name in manifest.files}
+            for tensor, bucket in manifest.weight_map.items():
+                have = needs.get(tensor)
+                if have is None:
+                    needs[tensor] = [keys[bucket]]
+                else:
+                    have.append(keys[bucket])
+        return needs
 
     def names(self) -> list[str]:
         if self._order is None:
@@ -233,14 +250,26 @@ class ArrivingPlans:
 
     def _absorb(self) -> None:
         """Wait (under the take lock) until at least one untaken tensor has all its files in."""
-        while not self._ready_heap:
+        heap, priority = self._ready_heap, self._priority
+        while not heap:
             keys, self._cursor = self._arrivals.arrived_since(
                 self._cursor, lambda key: self._wanted.get(key, 0) > 0, self._first_missing)
             for key in keys:
-                for t in self._waiting.pop(key, ()):
-                    self._missing[t] -= 1
-                    if self._missing[t] == 0:
-                        heapq.heappush(self._ready_heap, self._priority[t])
+                waited = self._waiting.pop(key, ())
+                if self._one:  # its one file is in: every tensor waiting for it is ready
+                    ready = list(map(priority.__getitem__, waited))
+                else:
+                    ready = []
+                    for t in waited:
+                        self._missing[t] -= 1
+                        if self._missing[t] == 0:
+                            ready.append(priority[t])
+                if len(ready) > len(heap):  # many at once (a bucket's worth): one heapify, not a push each
+                    heap += ready
+                    heapq.heapify(heap)
+                else:
+                    for r in ready:
+                        heapq.heappush(heap, r)
 
     def _first_missing(self) -> tuple[str, str]:
         """A file some untaken tensor still waits for (only when fetching ended without it: the error path)."""
@@ -265,7 +294,6 @@ class ArrivingPlans:
                 return []
             self._absorb()
             heap, by_priority, pop = self._ready_heap, self._by_priority, heapq.heappop
-            wanted, needs, file_key = self._wanted, self._needs, self._file_key
             first = by_priority[pop(heap)]
             taken = [first]
             # the heap hands tensors out in priority order (no push happens here): after a first one under
@@ -273,11 +301,20 @@ class ArrivingPlans:
             if self._checkpoint[first].nbytes < small:
                 while heap and len(taken) < limit:
                     taken.append(by_priority[pop(heap)])
-            for name in taken:
-                for key in needs[name]:
-                    wanted[file_key[key]] -= 1
+            self._taken(taken)
             self._left -= len(taken)
             return taken
+
+    def _taken(self, taken: list[str]) -> None:
+        """Count ``taken`` out of the tensors each file is still wanted for (under the take lock)."""
+        wanted, needs, file_key = self._wanted, self._needs, self._file_key
+        if self._one:  # one file a tensor: counted per bucket
+            for key, n in Counter(map(_FIRST, map(needs.__getitem__, taken))).items():
+                wanted[file_key[key]] -= n
+            return
+        for name in taken:
+            for key in needs[name]:
+                wanted[file_key[key]] -= 1
 
     def count(self) -> int:
         """How many tensors (``len(names())`` without sorting them)."""
@@ -288,6 +325,12 @@ class ArrivingPlans:
         return self._total
 
     def plan(self, name: str) -> TensorPlan:
+        plan = self._plans.get(name)  # one delta: made with its bucket's others (set once, read without a lock)
+        if plan is not None:
+            return plan
+        if self._one:
+            self._bucket(self._needs[name][0])
+            return self._plans[name]
         done = self._steps  # a checked bucket's steps are read without its lock (set once, never changed)
         keys = self._needs[name]
         if len(keys) == 1:  # one delta changes it (a steady refit)
@@ -325,5 +368,22 @@ class ArrivingPlans:
                 manifest = self._deltas[key[0]]
                 self._arrivals.wait(manifest.version, key[1])
                 path = self._folders[manifest.version] / key[1]
-                self._steps[key] = bucket_steps(manifest, key[1], path, self._checkpoint, workers=self._workers)
+                steps = bucket_steps(manifest, key[1], path, self._checkpoint, workers=self._workers)
+                if self._one:
+                    self._plans.update(_plans(steps, self._checkpoint))
+                self._steps[key] = steps
             return self._steps[key]
+
+
+def _plans(steps: dict[str, PatchStep], checkpoint: Mapping[str, TensorLocation]) -> dict[str, TensorPlan]:
+    """The one-step plan of each tensor of a checked bucket, each made as one dictionary (not the frozen
+    dataclass's ``object.__setattr__`` per field): ``TensorPlan(checkpoint[name], (step,))``."""
+    new, put = object.__new__, object.__setattr__
+    out = {}
+    for name, step in steps.items():
+        plan = out[name] = new(TensorPlan)
+        put(plan, "__dict__", {"location": checkpoint[name], "steps": (step,)})
+    return out
+
+
+_NBYTES, _FIRST, _SECOND = attrgetter("nbytes"), itemgetter(0), itemgetter(1)

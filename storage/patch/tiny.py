@@ -2,17 +2,18 @@
 
 ``apply_batch`` is ``storage.patch.applier.apply_tiny``'s path for the tensors
 of a steady refit (one dense ``xor`` frame each, inside one block, under
-``SMALL``): the frames of consecutive tensors of one bucket are decoded by
-one ``multi_decompress_to_buffer`` call (each frame still exactly one zstd
-frame decoding to exactly its tensor's bytes: zstd checks the size each frame
-declares, which ``check_frame`` matched to the tensor); the tensors of one
-shard are read, XORed and written through one gather and one scatter of the
-bytes that change (so a page no byte of the delta changes is never written);
-the bytes as written are read back and each tensor's adler32 computed for the
-whole batch at once (other checksum formats: one call a tensor). The same
-bytes, checksums, errors and undo record as the loop (``Progress`` marks
-every tensor of the batch patched once the scatter is done); a batch whose
-frames do not all decode cleanly is left to the loop, which names the problem.
+``SMALL``): the frames of one bucket are decoded by one
+``multi_decompress_to_buffer`` call (each frame still exactly one zstd frame
+decoding to exactly its tensor's bytes: zstd checks the size each frame
+declares, which ``check_frame`` matched to the tensor); only the bytes the
+delta changes (its nonzero bytes) are located in their shards and XORed there,
+through one gather and one scatter a shard (so a page no byte of the delta
+changes is never written, and a byte it leaves alone costs one look at its
+decoded value); each tensor's bytes as written are then hashed where they lie
+(one call a tensor). The same bytes, checksums, errors and undo record as the
+loop (``Progress`` marks every tensor of the batch patched once the scatter is
+done); a batch whose frames do not all decode cleanly is left to the loop,
+which names the problem.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from storage.format.changes import PAGE
 from storage.format.digests import checksum_bytes
 from storage.runtime.killpoints import killpoint
 
-_ADLER = 65521
 _START, _END, _NBYTES, _OFFSET, _FILE = (attrgetter(a) for a in ("start", "end", "nbytes", "offset", "file"))
 _PAGE_BITS = PAGE.bit_length() - 1
 _THREAD = threading.local()
@@ -55,45 +55,24 @@ def _groups(keys: list) -> list[np.ndarray]:
     return [np.array(ids, dtype=np.int64) for ids in at.values()]
 
 
-def _spread(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Every byte position of the ranges ``[starts[i], starts[i] + sizes[i])``, in order."""
-    before = np.zeros(sizes.size, dtype=np.int64)
-    np.cumsum(sizes[:-1], out=before[1:])
-    return np.repeat(starts - before, sizes) + np.arange(int(before[-1] + sizes[-1]), dtype=np.int64)
-
-
-def _decode(frames: list[np.ndarray], groups: list[np.ndarray], starts: np.ndarray, ends: np.ndarray,
-            sizes: np.ndarray, firsts: np.ndarray) -> np.ndarray | None:
-    """Every frame ``frames[g][starts[i]:ends[i]]`` decoded, concatenated in order (one call for each group
-    of one bucket); None if some frame does not decode to exactly ``sizes[i]`` bytes."""
+def _decode(frames: list[np.ndarray], bounds: list[tuple[int, int]], starts: np.ndarray, ends: np.ndarray,
+            sizes: np.ndarray) -> np.ndarray | None:
+    """Every frame ``frames[g][starts[i]:ends[i]]`` (``i`` in ``range(*bounds[g])``: each bucket's frames
+    consecutive) decoded, concatenated in order: one call for each bucket; None if some frame does not decode
+    to exactly ``sizes[i]`` bytes."""
     dctx = _dctx()
-    out = None if len(groups) == 1 else np.empty(int(sizes.sum()), dtype=np.uint8)
-    for frame, ids in zip(frames, groups):
-        segments = np.empty((ids.size, 2), dtype=np.uint64)
-        segments[:, 0], segments[:, 1] = starts[ids], ends[ids] - starts[ids]
+    parts = []
+    for frame, (a, b) in zip(frames, bounds):
+        segments = np.empty((b - a, 2), dtype=np.uint64)
+        segments[:, 0], segments[:, 1] = starts[a:b], ends[a:b] - starts[a:b]
         try:
             buffer = zstandard.BufferWithSegments(frame, segments.tobytes())
-            decoded = dctx.multi_decompress_to_buffer(buffer, decompressed_sizes=sizes[ids].astype(np.uint64).tobytes())
+            decoded = dctx.multi_decompress_to_buffer(buffer, decompressed_sizes=sizes[a:b].astype(np.uint64).tobytes())
         except (zstandard.ZstdError, ValueError):
             return None
-        data = np.frombuffer(b"".join(decoded), dtype=np.uint8)
-        if data.size != int(sizes[ids].sum()):
-            return None
-        if out is None:
-            return data
-        out[_spread(firsts[ids], sizes[ids])] = data
-    return out
-
-
-def _adler32(data: np.ndarray, firsts: np.ndarray, sizes: np.ndarray) -> list[str]:
-    """adler32 of each tensor (``sizes[i]`` bytes from ``firsts[i]`` of ``data``, in order, none empty)."""
-    d = data.astype(np.int64)
-    position = np.arange(data.size, dtype=np.int64) - np.repeat(firsts, sizes)
-    s = np.add.reduceat(d, firsts)
-    w = np.add.reduceat(d * position, firsts)
-    a = (1 + s) % _ADLER
-    b = (sizes + sizes * s - w) % _ADLER
-    return [f"{v:08x}" for v in ((b << 16) | a).tolist()]
+        parts.append(b"".join(decoded))
+    data = np.frombuffer(parts[0] if len(parts) == 1 else b"".join(parts), dtype=np.uint8)
+    return data if data.size == int(sizes.sum()) else None
 
 
 def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
@@ -102,70 +81,107 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
     Returns None, having written nothing, when a frame does not decode to exactly its tensor's bytes (the
     caller's loop then finds and names it). Raises ``ChecksumMismatch`` for the first tensor (in order) whose
     bytes as written do not hash to its step's checksum, every tensor of the batch then marked patched.
+    Works on the bytes that change only (their positions in the batch, then in the shards): a byte the delta
+    leaves alone costs a look at its decoded value, nothing more; each tensor is then hashed where it lies.
     """
+    count = len(states)
+    order = _groups([id(s.plan.steps[0].bucket) for s in states])  # one bucket's steps share its Path
+    if len(order) > 1:  # each bucket's tensors together (one decode call a bucket), the results put back after
+        perm = np.concatenate(order).tolist()
+        states = [states[i] for i in perm]
     plans = [s.plan for s in states]
     steps = [p.steps[0] for p in plans]
     locations = [p.location for p in plans]
-    count = len(states)
     sizes = np.array(list(map(_NBYTES, locations)), dtype=np.int64)
     firsts = np.zeros(count, dtype=np.int64)
     np.cumsum(sizes[:-1], out=firsts[1:])
     starts = np.array(list(map(_START, steps)), dtype=np.int64)
     ends = np.array(list(map(_END, steps)), dtype=np.int64)
-    frame_groups = _groups([id(s.bucket) for s in steps])  # one bucket's steps share its Path
-    frames = [maps._bucket(steps[int(ids[0])]) for ids in frame_groups]
-    decoded = _decode(frames, frame_groups, starts, ends, sizes, firsts)
+    cuts = np.cumsum([0] + [ids.size for ids in order]).tolist()
+    bounds = list(zip(cuts[:-1], cuts[1:]))
+    frames = [maps._bucket(steps[a]) for a, _ in bounds]
+    decoded = _decode(frames, bounds, starts, ends, sizes)
     if decoded is None:
         return None
     offsets = np.array(list(map(_OFFSET, locations)), dtype=np.int64)
-    written = np.empty_like(decoded)
-    pages = np.zeros(count, dtype=np.int64)
+    files = list(map(_FILE, locations))
+    moved = np.flatnonzero(decoded)  # the bytes that change, in batch order: untouched pages stay clean
+    owner = np.searchsorted(firsts, moved, side="right") - 1
+    at = offsets[owner] + (moved - firsts[owner])  # where each lies in its shard
+    change = decoded[moved]
+    shards = _groups(files)
+    views, by_file = {}, {}
     releases: list[tuple[int, int, int]] = []
-    views = {}
-    for ids in _groups(list(map(_FILE, locations))):
-        view = maps.shards.array(locations[int(ids[0])].file)
+    by_shard = [None] if len(shards) == 1 else _split(np.array(_group_of(shards, count))[owner], len(shards))
+    for ids, some in zip(shards, by_shard):
+        view = by_file[files[int(ids[0])]] = maps.shards.array(files[int(ids[0])])
         views[id(view)] = view
-        size = sizes[ids]
-        source = _spread(firsts[ids], size) if len(ids) < count else np.arange(decoded.size, dtype=np.int64)
-        where = _spread(offsets[ids], size)
-        change = decoded[source]
-        moved = np.flatnonzero(change)  # only the bytes that change are stored: untouched pages stay clean
-        at = where[moved]
-        view[at] = view[at] ^ change[moved]
-        written[source] = view[where]  # the bytes as written: an apply bug cannot go unnoticed
-        if moved.size:  # pages written, per tensor: distinct (tensor, page) among the changed bytes
-            owner = np.repeat(ids, size)[moved]
-            key = (owner << 44) | (at >> _PAGE_BITS)
-            fresh = np.ones(key.size, dtype=bool)
-            np.not_equal(key[1:], key[:-1], out=fresh[1:])
-            pages += np.bincount(owner[fresh], minlength=count)
-        releases += _merged(id(view), offsets[ids], offsets[ids] + size)
+        where, what = (at, change) if some is None else (at[some], change[some])
+        view[where] ^= what
+        releases += _merged(id(view), offsets[ids], offsets[ids] + sizes[ids])
+    pages = np.zeros(count, dtype=np.int64)
+    if moved.size:  # pages written, per tensor: distinct (tensor, page) among the changed bytes (in order)
+        key = (owner << 44) | (at >> _PAGE_BITS)
+        fresh = np.ones(key.size, dtype=bool)
+        np.not_equal(key[1:], key[:-1], out=fresh[1:])
+        pages = np.bincount(owner[fresh], minlength=count)
     for state, n, location in zip(states, pages.tolist(), locations):
         state.bounds, state.decoders = [(0, location.nbytes)], [None]  # undo decodes the frame again
         state.blocks, state.steps_in_block, state.pages_written = 1, 0, n
         state.blocks_unchanged = 0 if n else 1
-    for frame, ids in zip(frames, frame_groups):
+    for frame, (a, b) in zip(frames, bounds):
         views[id(frame)] = frame
-        releases += _merged(id(frame), starts[ids], ends[ids])
-    maps.release_small(views, releases)
+        releases += _merged(id(frame), starts[a:b], ends[a:b])
     for _ in range(count):
         killpoint("apply.block")
-    fmt = steps[0].checksum_format
-    uniform = all(s.checksum_format == fmt for s in steps)
-    if uniform and fmt == "adler32":
-        sums = _adler32(written, firsts, sizes)
-    else:
-        sums = [checksum_bytes(s.checksum_format, written[f: f + n])
-                for s, f, n in zip(steps, firsts.tolist(), sizes.tolist())]
-    for step, got, location in zip(steps, sums, locations):
-        if got != step.checksum:
+    try:
+        got, final = _sums(by_file, steps, locations, target_format)
+    finally:
+        maps.release_small(views, releases)
+    if len(order) > 1:  # back in the caller's order: the first mismatch named is the first in that order
+        got, final, steps, locations = (_unpermute(perm, values) for values in (got, final, steps, locations))
+    for step, value, location in zip(steps, got, locations):
+        if value != step.checksum:
             raise ChecksumMismatch(
-                f"tensor bytes hash to {got} after applying the delta, the bucket says {step.checksum}",
+                f"tensor bytes hash to {value} after applying the delta, the bucket says {step.checksum}",
                 mutation_started=True, **step.context(location.name))
-    if uniform and fmt == target_format:
-        return sums
-    return [got if s.checksum_format == target_format else checksum_bytes(target_format, written[f: f + n])
-            for s, got, f, n in zip(steps, sums, firsts.tolist(), sizes.tolist())]
+    return final
+
+
+def _unpermute(perm: list[int], values: list) -> list:
+    out = [None] * len(values)
+    for i, value in zip(perm, values):
+        out[i] = value
+    return out
+
+
+def _group_of(groups: list[np.ndarray], count: int) -> list[int]:
+    """The group number of each of ``count`` positions."""
+    out = [0] * count
+    for g, ids in enumerate(groups):
+        for i in ids.tolist():
+            out[i] = g
+    return out
+
+
+def _split(group: np.ndarray, n: int) -> list[np.ndarray]:
+    """The positions of each group number ``0..n-1`` in ``group``, each in order."""
+    order = np.argsort(group, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(group, minlength=n))[:-1])
+
+
+def _sums(by_file: dict, steps: list, locations: list, target_format: str) -> tuple[list[str], list[str]]:
+    """Each tensor's bytes as written, read where they lie (``by_file``: each shard's mapping), hashed in its
+    step's checksum format, and in ``target_format``."""
+    mapped = {file: memoryview(view) for file, view in by_file.items()}
+    got, final = [], []
+    for step, location in zip(steps, locations):
+        start = location.offset
+        data = mapped[location.file][start: start + location.nbytes]
+        value = checksum_bytes(step.checksum_format, data)
+        got.append(value)
+        final.append(value if step.checksum_format == target_format else checksum_bytes(target_format, data))
+    return got, final
 
 
 def _merged(key: int, starts: np.ndarray, ends: np.ndarray, gap: int = 256 * 2**10) -> list[tuple[int, int, int]]:
