@@ -14,7 +14,7 @@ import numpy as np
 
 from storage.errors import CodecError
 from storage.format.changes import SparseChange
-from storage.format.frames import RecordReaders, ValidatedFrame
+from storage.format.frames import RecordReaders, ValidatedFrame, sparse_size
 from storage.format.gaps import GAPS, GapsStream
 from storage.format.sparse import _SortedStream, _UnsortedRecord, check_record
 
@@ -58,6 +58,8 @@ class _SparseDecoder:
             validated, self._record = check_record(frame, validated, context)
         self.validated = validated
         self._cursor: _Cursor | None = None
+        self._whole: tuple[np.ndarray, np.ndarray] | None = None  # a sorted xor_sparse record's entries, decoded
+        self._next = 0  # ... and the first of them not yet handed out
         self._applied_to = 0
 
     def _source(self, *, values: bool):
@@ -76,8 +78,15 @@ class _SparseDecoder:
             raise ValueError(f"blocks must be applied in order from 0: expected offset {self._applied_to}, "
                              f"got {offset}")
         self._applied_to = offset + size
-        if self._cursor is None:
+        if self._cursor is None and self._whole is None and not self._take_whole():
             self._cursor = _Cursor(self._source(values=True))
+        if self._whole is not None:  # blocks come in order: the block's entries start where the last one's ended
+            pos, val = self._whole
+            lo, hi = self._next, int(pos.searchsorted(offset + size))
+            self._next = hi
+            if hi == lo:
+                return None
+            return (pos[lo:hi] - offset if offset else pos[lo:hi]), val[lo:hi]
         parts = list(self._cursor.entries(offset, offset + size))
         if not parts:
             return None
@@ -86,6 +95,22 @@ class _SparseDecoder:
         else:
             pos, val = np.concatenate([p for p, _ in parts]), np.concatenate([v for _, v in parts])
         return (pos - offset if offset else pos), val
+
+    def _take_whole(self) -> bool:
+        """Hold a sorted ``xor_sparse`` record decoded (and validated) whole as its position and value arrays,
+        views of the decoded bytes; False for any other record (it is read through a ``_Cursor``)."""
+        record, validated = self._record, self.validated
+        if record is None or record.decoded is None or validated.encoding != "xor_sparse" or not validated.ordered:
+            return False
+        count, data = validated.count or 0, record.decoded
+        if data.nbytes != sparse_size(count, "xor_sparse"):  # ``check_record`` made sure of it: never taken
+            return False
+        self._record = None
+        record.close()  # the arrays below keep the decoded bytes (and their budget) until ``close``
+        # u64 positions validated below the tensor's size are int64 as they are: no copy
+        positions = np.frombuffer(data, dtype="<u8", count=count, offset=8).view(np.int64)
+        self._whole = positions, np.frombuffer(data, dtype=np.uint8, count=count, offset=8 + 8 * count)
+        return True
 
     def apply(self, block: np.ndarray, offset: int) -> None:
         change = self.changes(offset, block.size)
@@ -100,6 +125,7 @@ class _SparseDecoder:
             self.close()
 
     def close(self) -> None:
+        self._whole = None
         if self._record is not None:
             self._record.close()
             self._record = None
