@@ -103,7 +103,7 @@ class _SparseDecoder:
         if record is None or record.decoded is None or validated.encoding != "xor_sparse" or not validated.ordered:
             return False
         count, data = validated.count or 0, record.decoded
-        if data.nbytes != sparse_size(count, "xor_sparse"):  # ``check_record`` made sure of it: never taken
+        if data.nbytes != sparse_size(count, "xor_sparse"):  # ``check_record`` rejected any other size already
             return False
         self._record = None
         record.close()  # the arrays below keep the decoded bytes (and their budget) until ``close``
