@@ -4,8 +4,9 @@ Every revision's checksum is checked on the running bytes. A single revision (a 
 block once it is patched. Folding two or more (a catch-up), all in ``adler32``, the block is hashed whole once,
 after the last revision, over the bytes as written; each earlier revision's adler32 of the block is derived
 from that by taking back the later revisions' changes, each computed from the bytes it changed alone
-(adler32 is linear in the bytes: ``storage.format.digests.adler32_delta``). A dense change is not taken back:
-the block is hashed before and after it. The final checksum thus still covers every byte as written (an apply
+(adler32 is linear in the bytes: ``storage.format.digests.adler32_delta``; the first revision's change is
+never taken back, so it is not measured). A dense change is not taken back either: past the first, the block
+is hashed before and after it. The final checksum thus still covers every byte as written (an apply
 bug cannot go unnoticed), and every intermediate one is the adler32 of the running bytes, without hashing
 the block once per revision. Each block's values are appended to the revisions' running checksums
 (``combine``); other checksum formats hash the block after each revision.
@@ -47,6 +48,9 @@ def fold_block(changes: Sequence[Change | None], block: np.ndarray, spans, hashe
     pending: list[tuple[int, int]] = []  # changes of the revisions after those, not yet resolved
     for i, change in enumerate(changes):
         if change is None or spans == []:
+            pending.append((0, 0))
+        elif not pending:  # the first change after a hash is never taken back: nothing to measure
+            change.apply(block, spans)
             pending.append((0, 0))
         elif isinstance(change, SparseChange):
             pending.append(_apply_sparse(change, block))
