@@ -138,11 +138,10 @@ class ChaosFleet:
     # -- set-up ------------------------------------------------------------------------------------------------
 
     def __enter__(self) -> "ChaosFleet":
-        from testbed.postgres import Postgres
-        from testbed.prefect_server import PrefectServer
+        from testbed.prefect_server import PrefectServer, migrated_postgres
 
         self.root.mkdir(parents=True, exist_ok=True)
-        self.database = Postgres().create()
+        self.database = migrated_postgres()  # a copy of a migrated database: the server starts sooner
         self.server = PrefectServer(self.root / "server", self.database.url)
         starting = threading.Thread(target=self._start_server, name="server-start", daemon=True)
         starting.start()  # meanwhile: storage, the trainer's launch snapshot, the engines

@@ -35,10 +35,22 @@ class Postgres:
             raise RuntimeError(f"psql {sql!r}: {done.stderr.strip()}")
         return done.stdout
 
-    def create(self) -> "Postgres":
-        self._psql(f"CREATE DATABASE {self.name}")
+    def create(self, template: str | None = None) -> "Postgres":
+        """``CREATE DATABASE``, empty or (``template``) a copy of that database."""
+        if template is not None and not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", template):
+            raise ValueError(f"template name {template!r} is not a plain identifier")
+        self._psql(f"CREATE DATABASE {self.name}" + (f" TEMPLATE {template}" if template else ""))
         self.created = True
         return self
+
+    def exists(self) -> bool:
+        return self._psql(f"SELECT 1 FROM pg_database WHERE datname = '{self.name}'").strip() == "1"
+
+    def rename(self, name: str) -> None:
+        if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
+            raise ValueError(f"database name {name!r} is not a plain identifier")
+        self._psql(f"ALTER DATABASE {self.name} RENAME TO {name}")
+        self.name = name
 
     def drop(self) -> None:
         if self.created:

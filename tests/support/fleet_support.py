@@ -23,13 +23,15 @@ import pytest
 from flows.synthetic import ModelShape
 from tests.support.s3_support import aws_environment
 from testbed.nodes import NodeProcess
-from testbed.postgres import Postgres
-from testbed.prefect_server import PrefectServer, deployment_ids, is_final, runs_of, target_of
+from testbed.prefect_server import (
+    PrefectServer, deployment_ids, is_final, migrated_postgres, runs_of, target_of,
+)
 from testbed.processes import PYTHON, ROOT, wait_until
 from testbed.trainer import Trainer
 
 MODEL = "lab/fleet"
 ZOMBIE_AFTER_S = 45
+HELD_BUCKET = "bucket-00001.safetensors"  # a download of it is held (a fault proxy) while a node's agent is killed
 # 1.8 MB of bf16 weights: a dense step published with --bucket-mib 1 is two buckets
 SHAPE = ModelShape(vocab=2048, hidden=128, intermediate=344, layers=2, shards=2)
 
@@ -38,7 +40,7 @@ SHAPE = ModelShape(vocab=2048, hidden=128, intermediate=344, layers=2, shards=2)
 def fleet_server(tmp_path_factory):
     """A Prefect server on a database of its own (dropped after), for one test module."""
     root = tmp_path_factory.mktemp("fleet-server")
-    database = Postgres().create()
+    database = migrated_postgres()
     server = PrefectServer(root, database.url)
     try:
         yield server.start()
@@ -167,6 +169,36 @@ class Fleet:
         lines = done.stdout.strip().splitlines()
         assert lines, f"flows.fleet {command} printed nothing (exit {done.returncode}):\n{done.stderr[-3000:]}"
         return done.returncode, json.loads(lines[-1])
+
+
+def held_mid_refit(fleet: "Fleet", node: NodeProcess, proxy, version: str):
+    """Wait until ``node``'s refit to ``version`` runs, with the store UPDATING and its download of HELD_BUCKET
+    held by ``proxy``: that run."""
+    def mid_refit():
+        running = [r for r in fleet.runs(node.name, ("on_publish",)) if target_of(r) == version
+                   and r.state_type and r.state_type.value == "RUNNING"]
+        state = node.store().state()
+        held = [r for r in proxy.requests(HELD_BUCKET, "GET") if f"/{version}/" in r.path and r.ended is None]
+        return running and held and state is not None and state.status == "UPDATING" and running[0]
+
+    return wait_until(f"{node.name} to hold {version} half-applied", mid_refit, 120, diagnostics=fleet.diagnostics)
+
+
+def assert_zombie_automation(fleet: "Fleet") -> None:
+    """The server has the zombie automation the agents ensure: a run of ours silent for ZOMBIE_AFTER_S after a
+    flow-run heartbeat is Crashed."""
+    from datetime import timedelta
+
+    from deployments.orphans import RUN_TAG, ZOMBIE_AUTOMATION
+
+    with fleet.server.client() as client:
+        (automation,) = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+    trigger, (action,) = automation.trigger, automation.actions
+    assert automation.enabled and trigger.posture.value == "Proactive", automation
+    assert trigger.within == timedelta(seconds=ZOMBIE_AFTER_S) and trigger.after == {"prefect.flow-run.heartbeat"}
+    assert "prefect.flow-run.heartbeat" in trigger.expect and "prefect.flow-run.Ready" in trigger.expect
+    assert f"prefect.tag.{RUN_TAG}" in str(trigger.match_related), trigger.match_related
+    assert action.type == "change-flow-run-state" and action.state.value == "CRASHED", action
 
 
 def spans(runs: list) -> list[tuple]:

@@ -155,7 +155,7 @@ def test_an_agent_started_while_the_server_is_down_beats_and_registers_once_it_i
 
     catalog = (tmp_path / "objects" / "catalog").as_uri()
     trainer = Trainer(tmp_path / "trainer", catalog, "lab/down", endpoint=None)
-    server = PrefectServer(tmp_path / "server")  # its port chosen, nothing listening yet
+    server = PrefectServer(tmp_path / "server", migrated=True)  # its port chosen, nothing listening yet
     node = NodeProcess("n1", tmp_path / "nodes", catalog, "lab/down", trainer.launch,
                        server.client_env(tmp_path / "home"), poll_s=1.0,
                        extra=("--heartbeat-seconds", "1", "--head-poll-seconds", "5"))

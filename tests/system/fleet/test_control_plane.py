@@ -73,7 +73,7 @@ class Plane:
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory, s3):
     root = tmp_path_factory.mktemp("control-plane")
-    server = PrefectServer(root / "server").start()
+    server = PrefectServer(root / "server", migrated=True).start()
     catalog = f"{s3.prefix('guarded')}/catalog"
     trainer = Trainer(root / "trainer", catalog, MODEL, endpoint=s3.endpoint)
     trainer.publish("initial", emit_event=False)

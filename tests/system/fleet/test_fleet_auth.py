@@ -30,7 +30,7 @@ AUTH = "fleet-admin:a-long-random-password"
 
 @pytest.fixture(scope="module")
 def auth_server(tmp_path_factory):
-    server = PrefectServer(tmp_path_factory.mktemp("auth-server"), auth_string=AUTH)
+    server = PrefectServer(tmp_path_factory.mktemp("auth-server"), auth_string=AUTH, migrated=True)
     try:
         yield server.start()
     finally:

@@ -18,8 +18,7 @@ import pytest
 
 from tests.support.fleet_support import Fleet
 from tests.support.s3_support import s3  # noqa: F401  (s3 is a fixture)
-from testbed.postgres import Postgres
-from testbed.prefect_server import PREFECT, target_of
+from testbed.prefect_server import PREFECT, migrated_postgres, target_of
 from testbed.processes import wait_until
 from testbed.scaled_server import ScaledPrefectServer
 
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def scaled_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("scaled-server")
-    database = Postgres().create()
+    database = migrated_postgres()
     server = ScaledPrefectServer(root, database.url, apis=2)
     try:
         yield server.start()
