@@ -509,7 +509,7 @@ def test_the_transfer_benchmark_runs_end_to_end(tmp_path):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     done = subprocess.run([sys.executable, "-m", "benchmarks.transfer", "--quick", "--size-mb", "24",
                            "--revision-mb", "16", "--objects", "4", "--curve-ranges", "8", "--curve-connections", "2",
-                           "--shard-mib", "24", "--shard-cap-mb-s", "2", "--workdir", str(tmp_path), "--json", str(out)],
+                           "--shard-mib", "8", "--shard-cap-mb-s", "4", "--workdir", str(tmp_path), "--json", str(out)],
                           cwd=ROOT, env=os.environ | {"PYTHONPATH": path}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, f"benchmarks.transfer exited with {done.returncode}:\n{done.stdout[-3000:]}\n" \
@@ -517,17 +517,17 @@ def test_the_transfer_benchmark_runs_end_to_end(tmp_path):
     result = json.loads(out.read_text())
     assert result["schema"] == "canonical-refit.benchmark.transfer.v1"
     assert [r["what"].split()[0] for r in result["rows"]] == ["download", "download", "upload", "upload", "download"]
-    assert result["rows"][-1]["what"].startswith("download 1 shard of 24 MiB")
+    assert result["rows"][-1]["what"].startswith("download 1 shard of 8 MiB")
     resume = result["resume"]  # the download killed at 53 % and run again
-    assert resume["size"] == 24 * MIB and 0.53 <= resume["killed_at"] < 1
-    assert 0 < resume["fetched_bytes"] <= resume["size"] and resume["missing_bytes"] == 24 * MIB - resume["received_bytes"]
+    assert resume["size"] == 8 * MIB and 0.53 <= resume["killed_at"] < 1
+    assert 0 < resume["fetched_bytes"] <= resume["size"] and resume["missing_bytes"] == 8 * MIB - resume["received_bytes"]
     assert resume["met"] == (resume["ratio"] <= 1.1)
     assert all(r["bytes"] > 0 and r["seconds"] > 0 and r["ratio"] > 0 for r in result["rows"] + result["curve"])
     assert [(r["range_mib"], r["connections"]) for r in result["curve"]] == [(8, 2)]
     assert "goal: every ratio >= 0.8 with default settings" in done.stdout
     assert "goal: a rerun after kill -9 at" in done.stdout
     real = result["real_server"]  # the same shard on moto behind a cap on each TCP connection, after the model
-    assert real["config"]["size"] == 24 * MIB and real["config"]["server"] == "moto"
+    assert real["config"]["size"] == 8 * MIB and real["config"]["server"] == "moto"
     assert [run["ratio"] > 0 and 0 < run["server_bound"] <= 1 for run in real["runs"]["split"]] == [True]
     assert "real-server path (moto, each TCP connection capped)" in done.stdout
     assert "goal: the real-server path >= 0.8:" in done.stdout
