@@ -299,8 +299,7 @@ class ArrivingPlans:
             # the heap hands tensors out in priority order (no push happens here): after a first one under
             # ``small`` every other one is no larger, hence under ``small`` too
             if self._checkpoint[first].nbytes < small:
-                while heap and len(taken) < limit:
-                    taken.append(by_priority[pop(heap)])
+                taken += map(by_priority.__getitem__, [pop(heap) for _ in range(min(limit - 1, len(heap)))])
             self._taken(taken)
             self._left -= len(taken)
             return taken

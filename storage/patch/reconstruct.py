@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -39,6 +40,7 @@ from storage.patch.first_copy import CopyAsPatched, reflinks
 from storage.patch.patcher import PlanSource, StaticPlans, apply_patches, plan_patches
 
 log = logging.getLogger("canonical_refit.reconstruct")
+_NBYTES = attrgetter("nbytes")
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ def materialize(
         exc.rollback = Rollback(base, target_dir, takeover, undone)
         raise
     return Materialized(target.version, target_dir, base, patched, chain, placed.total if placed else 0,
-                        sum(base_index.tensors[n].nbytes for n in patched), placed=placed)
+                        sum(map(_NBYTES, map(base_index.tensors.__getitem__, patched))), placed=placed)
 
 
 def _begin_update(store: LocalStore, version: str, target_dir: Path, previous: str | None) -> None:
@@ -281,9 +283,11 @@ def verify_target(
     checksums: dict[str, str] = {}
     every = len(patched) == len(tensors) and patched.keys() == tensors.keys()  # a step that changed every tensor
     if base is not None and base.checksum_format == fmt and not full and not every:
-        checksums.update({k: v for k, v in base.checksums.items() if k in tensors})
+        kept = base.checksums
+        # the base's table is the target's (one set comparison in C): copied whole, not filtered a key at a time
+        checksums.update(kept if kept.keys() <= tensors.keys() else {k: v for k, v in kept.items() if k in tensors})
     checksums.update(patched)
-    reread = sorted(tensors) if full else sorted(n for n in tensors if n not in checksums)
+    reread = sorted(tensors) if full else sorted(tensors.keys() - checksums.keys())
     if reread:
         fresh = index.checksums(fmt, names=reread, workers=workers, progress=progress, stop=stop)
         for name, value in fresh.items():
@@ -291,7 +295,7 @@ def verify_target(
                 raise ChecksumMismatch(f"bytes on disk hash to {value}, the apply pass computed {patched[name]}",
                                        tensor=name, **context)
         checksums.update(fresh)
-    missing = sorted(n for n in tensors if n not in checksums)
+    missing = sorted(tensors.keys() - checksums.keys())
     if missing:
         raise CheckpointMismatch("tensor has no verified checksum", tensor=missing[0], **context)
     digest = snapshot_digest(fmt, layout_digest, checksums)

@@ -29,7 +29,9 @@ from storage.format.changes import PAGE
 from storage.format.digests import checksum_bytes
 from storage.runtime.killpoints import killpoint
 
-_START, _END, _NBYTES, _OFFSET, _FILE = (attrgetter(a) for a in ("start", "end", "nbytes", "offset", "file"))
+_START, _END, _NBYTES, _OFFSET, _FILE, _FORMAT = (
+    attrgetter(a) for a in ("start", "end", "nbytes", "offset", "file", "checksum_format"))
+_BUCKET = attrgetter("bucket")
 _PAGE_BITS = PAGE.bit_length() - 1
 _THREAD = threading.local()
 
@@ -43,7 +45,7 @@ def _dctx() -> zstandard.ZstdDecompressor:
 
 def _groups(keys: list) -> list[np.ndarray]:
     """The positions of each distinct key (ints or strings), each group in order, groups by first appearance."""
-    if all(k == keys[0] for k in keys):
+    if keys.count(keys[0]) == len(keys):  # one key (the common case): counted in C
         return [np.arange(len(keys), dtype=np.int64)]
     at: dict = {}
     for i, k in enumerate(keys):
@@ -85,12 +87,12 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
     leaves alone costs a look at its decoded value, nothing more; each tensor is then hashed where it lies.
     """
     count = len(states)
-    order = _groups([id(s.plan.steps[0].bucket) for s in states])  # one bucket's steps share its Path
-    if len(order) > 1:  # each bucket's tensors together (one decode call a bucket), the results put back after
-        perm = np.concatenate(order).tolist()
-        states = [states[i] for i in perm]
     plans = [s.plan for s in states]
     steps = [p.steps[0] for p in plans]
+    order = _groups(list(map(id, map(_BUCKET, steps))))  # one bucket's steps share its Path
+    if len(order) > 1:  # each bucket's tensors together (one decode call a bucket), the results put back after
+        perm = np.concatenate(order).tolist()
+        states, plans, steps = ([values[i] for i in perm] for values in (states, plans, steps))
     locations = [p.location for p in plans]
     sizes = np.array(list(map(_NBYTES, locations)), dtype=np.int64)
     firsts = np.zeros(count, dtype=np.int64)
@@ -125,17 +127,17 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
         fresh = np.ones(key.size, dtype=bool)
         np.not_equal(key[1:], key[:-1], out=fresh[1:])
         pages = np.bincount(owner[fresh], minlength=count)
-    for state, n, location in zip(states, pages.tolist(), locations):
-        state.bounds, state.decoders = [(0, location.nbytes)], [None]  # undo decodes the frame again
-        state.blocks, state.steps_in_block, state.pages_written = 1, 0, n
-        state.blocks_unchanged = 0 if n else 1
+    sizes_of = sizes.tolist()
+    for state, n, size in zip(states, pages.tolist(), sizes_of):  # steps_in_block stays 0: the block is done
+        state.bounds, state.decoders = [(0, size)], [None]  # undo decodes the frame again
+        state.blocks, state.pages_written, state.blocks_unchanged = 1, n, 0 if n else 1
     for frame, (a, b) in zip(frames, bounds):
         views[id(frame)] = frame
         releases += _merged(id(frame), starts[a:b], ends[a:b])
     for _ in range(count):
         killpoint("apply.block")
     try:
-        got, final = _sums(by_file, steps, locations, target_format)
+        got, final = _sums(by_file, steps, files, offsets.tolist(), sizes_of, target_format)
     finally:
         maps.release_small(views, releases)
     if len(order) > 1:  # back in the caller's order: the first mismatch named is the first in that order
@@ -170,17 +172,23 @@ def _split(group: np.ndarray, n: int) -> list[np.ndarray]:
     return np.split(order, np.cumsum(np.bincount(group, minlength=n))[:-1])
 
 
-def _sums(by_file: dict, steps: list, locations: list, target_format: str) -> tuple[list[str], list[str]]:
+def _sums(by_file: dict, steps: list, files: list[str], offsets: list[int], sizes: list[int],
+          target_format: str) -> tuple[list[str], list[str]]:
     """Each tensor's bytes as written, read where they lie (``by_file``: each shard's mapping), hashed in its
     step's checksum format, and in ``target_format``."""
+    formats = list(map(_FORMAT, steps))
+    if len(by_file) == 1 and formats.count(formats[0]) == len(formats):  # one shard, one format: a call a tensor
+        fmt, mv = formats[0], memoryview(next(iter(by_file.values())))
+        got = [checksum_bytes(fmt, mv[o: o + n]) for o, n in zip(offsets, sizes)]
+        return got, got if fmt == target_format else [checksum_bytes(target_format, mv[o: o + n])
+                                                         for o, n in zip(offsets, sizes)]
     mapped = {file: memoryview(view) for file, view in by_file.items()}
     got, final = [], []
-    for step, location in zip(steps, locations):
-        start = location.offset
-        data = mapped[location.file][start: start + location.nbytes]
-        value = checksum_bytes(step.checksum_format, data)
+    for fmt, file, start, n in zip(formats, files, offsets, sizes):
+        data = mapped[file][start: start + n]
+        value = checksum_bytes(fmt, data)
         got.append(value)
-        final.append(value if step.checksum_format == target_format else checksum_bytes(target_format, data))
+        final.append(value if fmt == target_format else checksum_bytes(target_format, data))
     return got, final
 
 
