@@ -1,4 +1,4 @@
-"""The chaos command's small mode, as the suite runs it: ``python -m testbed.chaos --small``.
+"""The chaos command's small mode, as the suite runs it: ``python -m testbed.chaos --small --spacing 3``.
 
 Two nodes (each an agent process installing into an engine stand-in
 process) on a Prefect server on PostgreSQL, three publications; one agent
@@ -21,7 +21,7 @@ from testbed.processes import ROOT, quiet_env
 
 
 def test_the_small_chaos_run_finds_no_false_ready_no_wrong_answer_and_converges(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "testbed.chaos", "--small", "--seed", "3", "--root",
+    done = subprocess.run([sys.executable, "-m", "testbed.chaos", "--small", "--seed", "3", "--spacing", "3", "--root",
                            str(tmp_path / "chaos"), "--json"], cwd=ROOT, env=quiet_env(), capture_output=True,
                           text=True, timeout=400)
     lines = done.stdout.strip().splitlines()
