@@ -8,7 +8,9 @@ node and an interrupt are never retried.
 
 from __future__ import annotations
 
+import logging
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,18 +35,32 @@ def quick(s3, proxy, **extra):
     return s3.settings(proxy.url, retry_attempts=3, backoff_initial_s=0.1, backoff_max_s=0.3, **extra)
 
 
+@contextmanager
+def ends_when_logged(logger: str, text: str, proxy):
+    """The proxy's outage ends as soon as ``logger`` logs a line containing ``text`` (a condition, not a timer)."""
+
+    class Ends(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if text in record.getMessage():
+                proxy.outage(None)
+
+    handler = Ends(logging.WARNING)
+    logging.getLogger(logger).addHandler(handler)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).removeHandler(handler)
+        proxy.outage(None)
+
+
 def test_an_outage_longer_than_request_and_stage_retries_ends_ready_after_a_flow_retry(published, s3, tmp_path):
     lab = published
     with s3.proxy() as proxy:
         proxy.outage("slowdown")  # every request: 503 SlowDown
-        ends = threading.Timer(10.0, proxy.outage, args=(None,))  # longer than request + stage retries (~7 s)
-        ends.start()
-        try:
+        # it lasts until the whole run gave up on its first attempt (request retries used up) and retries
+        with ends_when_logged("canonical_refit.refit", "(attempt 1 of", proxy):
             state, result = lab.refit(target="r2", cache_dir=tmp_path / "cache", storage=quick(s3, proxy),
                                       retries=5, retry_delay_s=2.0)
-        finally:
-            ends.cancel()
-            proxy.outage(None)
     assert state.name == "Ready", result.error
     assert result.target_digest == independent_digest(lab.expected("r2"))[1]
     lab.assert_checkpoint(Path(result.checkpoint_path), "r2")
@@ -109,8 +125,8 @@ def test_a_publication_rides_out_an_outage_and_an_identical_retry_completes_a_pa
     lab = published
     with s3.proxy() as proxy:
         proxy.outage("slowdown")
-        threading.Timer(4.0, proxy.outage, args=(None,)).start()
-        result = lab.publish("delta", storage=quick(s3, proxy), retries=4, retry_delay_s=1.0)
+        with ends_when_logged("canonical_refit.retry", "(attempt 2 of", proxy):  # a whole step failed twice
+            result = lab.publish("delta", storage=quick(s3, proxy), retries=4, retry_delay_s=1.0)
         refused = [r for r in proxy.requests() if r.status == 503]
     assert not result.already_published
     assert len(refused) > 3  # more than one step's request retries (3): a whole step was retried
