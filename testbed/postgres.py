@@ -46,6 +46,10 @@ class Postgres:
     def exists(self) -> bool:
         return self._psql(f"SELECT 1 FROM pg_database WHERE datname = '{self.name}'").strip() == "1"
 
+    def seal(self) -> None:
+        """No connections to it any more: a template only (as ``template0``), which nothing changes by accident."""
+        self._psql(f"ALTER DATABASE {self.name} WITH ALLOW_CONNECTIONS false")
+
     def rename(self, name: str) -> None:
         if not re.fullmatch(r"[a-z_][a-z0-9_]{0,62}", name):
             raise ValueError(f"database name {name!r} is not a plain identifier")

@@ -101,6 +101,7 @@ def migrated_postgres():
             try:
                 _migrate(TEMPLATES / f"build-{build.name}", build.url)
                 build.rename(template.name)
+                build.seal()
             except BaseException:
                 build.drop()
                 raise

@@ -13,6 +13,7 @@ listener (as engine or S3 endpoint) gets no connection, its folders stay empty.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,11 +74,19 @@ class Plane:
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory, s3):
     root = tmp_path_factory.mktemp("control-plane")
-    server = PrefectServer(root / "server", migrated=True).start()
-    catalog = f"{s3.prefix('guarded')}/catalog"
-    trainer = Trainer(root / "trainer", catalog, MODEL, endpoint=s3.endpoint)
-    trainer.publish("initial", emit_event=False)
-    trainer.publish("delta", emit_event=False)
+    server = PrefectServer(root / "server", migrated=True)
+    with ThreadPoolExecutor(1) as starting:  # the server starts while the trainer publishes (no event: no server)
+        started = starting.submit(server.start)
+        try:
+            catalog = f"{s3.prefix('guarded')}/catalog"
+            trainer = Trainer(root / "trainer", catalog, MODEL, endpoint=s3.endpoint)
+            trainer.publish("initial", emit_event=False)
+            trainer.publish("delta", emit_event=False)
+            started.result()
+        except BaseException:
+            started.exception()  # once it is done starting (or failed to), it is stopped
+            server.stop()
+            raise
     outsider = root / "outsider"
     (outsider / "catalog").mkdir(parents=True)
     nodes = []
