@@ -192,4 +192,3 @@ def test_one_publication_reaches_every_node(fleet_server, s3, tmp_path):
                     assert end <= start, f"{name}: {first} and {second} overlapped"
         finally:
             fleet.stop_all()
-
