@@ -9,6 +9,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable, Mapping
 
 from storage.jsonio.bounded_json import INDEX, load_json, read_bounded
@@ -99,20 +100,27 @@ class CheckpointIndex(TensorTable):
         if not folder.is_dir():
             raise SafetensorsError("checkpoint folder does not exist", file=str(folder), revision=revision)
         index_path = folder / INDEX_FILE
+        unchanged = _PARSED.unchanged(folder, index_path)
+        if unchanged is not None:
+            return cls(folder, unchanged[0], unchanged[1])._sharing(unchanged[2])
         weight_map = index_bytes = None
-        if index_path.exists():
+        index_id = _identity(index_path)  # taken before the bytes are read: a later change makes it differ
+        if index_id is not None:
             index_bytes = read_bounded(index_path, INDEX, error=ManifestError, file=str(index_path),
                                        revision=revision)
             weight_map, files = _PARSED.weight_map(index_bytes, index_path, revision)
         else:
-            files = sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+            files = _shard_files(folder)
         if not files:
             raise SafetensorsError("no safetensors files in checkpoint", file=str(folder), revision=revision)
-        raw_headers = [(name, *_raw_header(folder / name, revision)) for name in files]
+        read = [(name, *_raw_header(folder / name, revision)) for name in files]
+        raw_headers = [(name, size, header_bytes) for name, size, header_bytes, _ in read]
+        identities = (index_id, tuple((name, identity) for name, _, _, identity in read))
         key = (index_bytes, tuple(raw_headers))
         known = _PARSED.layouts.get(key)
         if known is not None:
             _PARSED.layouts.move_to_end(key)
+            _PARSED.note(folder, identities, known)
             return cls(folder, known[0], known[1])._sharing(known[2])
         headers, tensors = {}, {}
         for name, size, header_bytes in raw_headers:
@@ -145,6 +153,7 @@ class CheckpointIndex(TensorTable):
                     )
         memo: dict = {}  # what every index opened from these bytes computes once (its format digest)
         _PARSED.remember(key, (tensors, headers, memo))
+        _PARSED.note(folder, identities, (tensors, headers, memo))
         return cls(folder, tensors, headers)._sharing(memo)
 
     def _sharing(self, memo: dict) -> "CheckpointIndex":
@@ -155,13 +164,22 @@ class CheckpointIndex(TensorTable):
     def format_digest(self) -> str:
         """The layout's digest, computed once per layout parsed from the same bytes (while ``tensors`` is
         the table it was opened with)."""
+        return self._remembered("format_digest", super().format_digest)
+
+    def layout(self) -> Mapping[str, tuple[str, tuple[int, ...], int]]:
+        """``TensorTable.layout``, made once per layout parsed from the same bytes (read-only: it is shared)."""
+        return self._remembered("layout", lambda: MappingProxyType(super(CheckpointIndex, self).layout()))
+
+    def _remembered(self, what: str, compute: Callable):
+        """``compute()``, once per layout parsed from the same bytes while ``tensors`` is the table it was opened
+        with (else computed each time)."""
         memo = getattr(self, "_memo", None)
         if memo is None or len(self.tensors) != self._memo_tensors:
-            return super().format_digest()
-        digest = memo.get("format_digest")
-        if digest is None:
-            digest = memo["format_digest"] = super().format_digest()
-        return digest
+            return compute()
+        value = memo.get(what)
+        if value is None:
+            value = memo[what] = compute()
+        return value
 
     @gc_paused_call  # a checksum a tensor: no cycles
     def checksums(
@@ -264,8 +282,27 @@ def require_same_layout(
             raise CheckpointMismatch(f"byte size {anb} differs from local {enb}", revision=revision, file=file, tensor=name)
 
 
-def _raw_header(path: Path, revision: str | None) -> tuple[int, bytes]:
-    """A shard's size and header bytes, the length prefix checked against the size and the bound first."""
+def _shard_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("*.safetensors") if not p.name.startswith("."))
+
+
+def _identity(path: Path) -> tuple[int, ...] | None:
+    """A file's identity (device, inode, size, modification and change times to the nanosecond); None if there is
+    no file there."""
+    try:
+        info = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return _identity_of(info)
+
+
+def _identity_of(info: os.stat_result) -> tuple[int, ...]:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns, stat.S_IFMT(info.st_mode))
+
+
+def _raw_header(path: Path, revision: str | None) -> tuple[int, bytes, tuple[int, ...]]:
+    """A shard's size, header bytes and identity (``_identity``, of the file read), the length prefix checked
+    against the size and the bound first."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO never blocks
     except OSError:
@@ -275,7 +312,7 @@ def _raw_header(path: Path, revision: str | None) -> tuple[int, bytes]:
         if not stat.S_ISREG(info.st_mode):
             raise SafetensorsError("shard named by the index is missing", file=str(path), revision=revision)
         n = header_length(fh.read(8), info.st_size, file=str(path), revision=revision)
-        return info.st_size, fh.read(n)
+        return info.st_size, fh.read(n), _identity_of(info)
 
 
 class _Parsed:
@@ -286,7 +323,35 @@ class _Parsed:
     def __init__(self) -> None:
         self.layouts: OrderedDict = OrderedDict()
         self.indexes: OrderedDict = OrderedDict()
+        self.folders: OrderedDict = OrderedDict()  # folder -> (the identities of its files as read, the layout)
         self._lock = threading.Lock()
+
+    def note(self, folder: Path, identities: tuple, value) -> None:
+        """``folder``'s index and shards had ``identities`` (taken before their bytes were read) when they
+        parsed to ``value``."""
+        with self._lock:
+            self.folders[str(folder)] = (identities, value)
+            self.folders.move_to_end(str(folder))
+            while len(self.folders) > 2 * self.KEEP:
+                self.folders.popitem(last=False)
+
+    def unchanged(self, folder: Path, index_path: Path):
+        """What ``folder`` parsed to when it was last opened, if its index and every shard read then are the
+        very files they were (``_identity``: same inode, size and times to the nanosecond; a shard list
+        from a glob must list the same names): nothing is read again. None otherwise."""
+        with self._lock:
+            known = self.folders.get(str(folder))
+        if known is None:
+            return None
+        (index_id, shards), value = known
+        if _identity(index_path) != index_id:
+            return None
+        if index_id is None and [name for name, _ in shards] != _shard_files(folder):
+            return None
+        for name, identity in shards:
+            if _identity(folder / name) != identity:
+                return None
+        return value
 
     def remember(self, key, value) -> None:
         with self._lock:
