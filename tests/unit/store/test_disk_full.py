@@ -76,7 +76,15 @@ class SmallDisk:
             return
         fd = os.open(self.ballast, os.O_WRONLY | os.O_APPEND | os.O_CREAT)  # ext4: every block, to ENOSPC
         try:
-            for chunk in (2**16, 4096, 1):
+            size = os.fstat(fd).st_size
+            for chunk in (2**24, 2**20, 2**16, 4096):  # allocated at once (no delayed allocation to wait for)
+                try:
+                    while True:
+                        os.posix_fallocate(fd, size, chunk)
+                        size += chunk
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+            for chunk in (2**16, 4096, 1):  # whatever is left, written and synced
                 try:
                     while True:
                         os.write(fd, b"\xff" * chunk)
