@@ -1,10 +1,13 @@
 """Crash consistency under SIGKILL (CI mode of ``tests/support/crash_harness.py``).
 
 Every kill point of every scenario is hit once (plus crashes during recovery
-and "go back" recoveries); each trial kills a refit child, then a fresh refit
+and "go back" recoveries), the points before any change and after the target
+is verified (``crash_trials.EDGE_POINTS``) once per start store; each trial
+kills a refit child, then a fresh refit
 must leave the store READY at a verified version with byte-exact tensors, an
 installed identity that names exactly those files, and no unverified byte
 ever handed to the engine. A few trials crash ``python -m flows.refit`` itself.
+Every pair, plus random trials: ``python -m tests.support.crash_harness --trials 200``.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ def world(prefect_api, tmp_path_factory):
 
 
 def test_every_kill_point_of_every_scenario_recovers(world, tmp_path):
-    trials = ct.plan_trials(world, 20, seed=11)
+    trials = ct.run_trials(world, ct.plan_trials(world, 20, seed=11, edges_once_per_start=True), tmp_path)
     assert len(trials) >= 20
-    for i, trial in enumerate(trials):
-        ct.run_trial(world, trial, tmp_path / f"t{i:03d}")
+    assert {(t.scenario.name, t.kill.split(":")[1]) for t in trials} >= {  # every pair but repeated edges
+        (s.name, p) for s in ct.SCENARIOS for p in world.points[s.name] if p not in ct.EDGE_POINTS}
+    assert {(t.scenario.start, t.kill.split(":")[1]) for t in trials} >= {  # the edges from every start store
+        (s.start, p) for s in ct.SCENARIOS for p in world.points[s.name]}
     summary = ct.summarize(trials)
     assert summary["failures"] == [], json.dumps(summary["failures"], indent=1)
     assert summary["recovered"] == summary["trials"]
@@ -37,9 +42,8 @@ def test_every_kill_point_of_every_scenario_recovers(world, tmp_path):
 
 
 def test_random_moment_kills_recover(world, tmp_path):
-    trials = [t for t in ct.plan_trials(world, 200, seed=5) if t.kill.startswith("random:")][:8]
-    for i, trial in enumerate(trials):
-        ct.run_trial(world, trial, tmp_path / f"r{i:03d}")
+    trials = [t for t in ct.plan_trials(world, 200, seed=5) if t.kill.startswith("random:")][:4]
+    ct.run_trials(world, trials, tmp_path, prefix="r")
     summary = ct.summarize(trials)
     assert summary["failures"] == [], json.dumps(summary["failures"], indent=1)
     assert summary["killed"] >= 1
