@@ -169,7 +169,7 @@ def test_a_rank_killed_mid_publish_leaves_nothing_visible_and_does_not_wedge_the
     root = tmp_path / "sharded"
     by_ranks(root, steps[0], "initial", "k-0")
     folders = [write_checkpoint(tmp_path / f"rank{r}-step1", part, shards=1) for r, part in enumerate(split(steps[1]))]
-    done = publish_by_processes(root, folders, "k-1", kill={rank: point}, timeout_s=8)
+    done = publish_by_processes(root, folders, "k-1", kill={rank: point}, timeout_s=4)
     assert done[rank].returncode == -9, done[rank].stderr[-2000:]
     for r, out in enumerate(done):
         if r != rank:
