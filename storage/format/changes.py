@@ -90,13 +90,13 @@ class SparseChange:
     def mark(self, pages: np.ndarray, head: int) -> bool:
         index = self.index
         if index.size:
-            # positions are sorted: count the distinct pages before writing flags one by one
-            page_of = (index + head) >> PAGE.bit_length() - 1
-            if page_of[-1] - page_of[0] + 1 == pages.size and index.size >= pages.size and \
-                    np.count_nonzero(np.diff(page_of)) + 1 == pages.size:
-                pages[:] = True
-                return True
-            pages[page_of] = True
+            # positions are sorted: a binary search per page boundary counts the entries below it, so the
+            # entries themselves are not read (a page is written when the count grows across it)
+            below = index.searchsorted(np.arange(PAGE - head, pages.size * PAGE - head, PAGE))
+            written = np.empty(pages.size, dtype=bool)
+            np.not_equal(below, np.concatenate(([0], below[:-1])), out=written[:-1])
+            written[-1] = below[-1] != index.size if below.size else True
+            pages |= written
         return bool(pages.all())
 
 

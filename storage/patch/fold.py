@@ -1,7 +1,9 @@
 """One block of a tensor through its revisions' changes, in order, each revision's checksum kept on the way.
 
 Every revision's checksum is checked on the running bytes. A single revision (a steady refit) hashes the
-block once it is patched. Folding two or more (a catch-up), all in ``adler32``, the block is hashed whole once,
+block once it is patched; a sparse XOR is written and hashed a ``PIECE`` at a time, so the hash reads each
+piece from the cache the writes just filled instead of reading the whole block from memory a second time.
+Folding two or more (a catch-up), all in ``adler32``, the block is hashed whole once,
 after the last revision, over the bytes as written; each earlier revision's adler32 of the block is derived
 from that by taking back the later revisions' changes, each computed from the bytes it changed alone
 (adler32 is linear in the bytes: ``storage.format.digests.adler32_delta``; the first revision's change is
@@ -22,6 +24,7 @@ from storage.format.changes import Change, SparseChange
 from storage.format.digests import adler32_delta, adler32_of, adler32_sub
 
 LINEAR_MAX_BLOCK = 2**27  # ``adler32_delta``'s sums stay exact in int64 up to this block size
+PIECE = 2**18  # a steady refit's sparse XOR is written and hashed this many bytes at a time (in the L2 cache)
 
 
 def linear_sums(formats: Sequence[str]) -> bool:
@@ -37,6 +40,9 @@ def fold_block(changes: Sequence[Change | None], block: np.ndarray, spans, hashe
     the revisions applied (the undo reverts exactly those). ``spans``: the block's byte ranges whose pages are
     written (``storage.format.changes.page_spans``). ``linear`` (``linear_sums``): derive the adler32 values."""
     if not linear or block.size > LINEAR_MAX_BLOCK:
+        if len(changes) == 1 and spans != [] and _in_pieces(changes[0], block, hashes[0]):
+            state.steps_in_block = 1
+            return
         for i, (change, h) in enumerate(zip(changes, hashes)):
             if change is not None and spans != []:
                 change.apply(block, spans)
@@ -84,3 +90,30 @@ def _apply_sparse(change: SparseChange, block: np.ndarray) -> tuple[int, int]:
     new = change.values if change.overwrite else old ^ change.values
     block[index] = new
     return adler32_delta(block.size, index, old, new)
+
+
+def _in_pieces(change: Change | None, block: np.ndarray, h) -> bool:
+    """One revision's sparse XOR written and hashed a piece of the block at a time, so the hash reads each piece
+    while the writes have left it in the cache; False (nothing done) for any other change or a small block.
+
+    If a write fails, the pieces already written are XORed back before the error goes on: the block is then as
+    it was, as the undo expects of a revision not counted in ``steps_in_block``."""
+    size = block.size
+    if size <= PIECE or not isinstance(change, SparseChange) or change.overwrite or change.on_apply is not None:
+        return False
+    index, values = change.index, change.values
+    ends = range(PIECE, size + PIECE, PIECE)
+    cuts = index.searchsorted(ends[:-1]).tolist()
+    cuts.append(index.size)
+    lo = start = 0
+    try:
+        for end, hi in zip(ends, cuts):
+            if hi > lo:
+                block[index[lo:hi]] ^= values[lo:hi]
+            lo = hi
+            h.update(block[start:min(end, size)])
+            start = end
+    except BaseException:
+        block[index[:lo]] ^= values[:lo]
+        raise
+    return True

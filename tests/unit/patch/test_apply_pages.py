@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from storage.patch.applier import block_bounds
-from storage.format.changes import PAGE
+from storage.format.changes import PAGE, SparseChange, touched_pages
 from storage.format.checkpoint import CheckpointIndex, TensorLocation
 from storage.format.digests import checksum_bytes
 from storage.format.encoding import encode_delta
@@ -175,3 +175,21 @@ def test_blocks_after_the_first_start_on_page_boundaries_of_the_file(offset, nby
         assert (offset + start) % PAGE == 0
     rounded = max(PAGE, -(-block // PAGE) * PAGE)
     assert all(size <= rounded for _, size in bounds)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_sparse_change_flags_exactly_the_pages_of_its_positions(seed):
+    rng = np.random.default_rng(seed)
+    head = int(rng.integers(0, PAGE)) if seed % 3 else 0
+    size = int(rng.integers(1, 40 * PAGE))
+    count = int(rng.integers(0, min(size, 3000) + 1))
+    index = np.sort(rng.integers(0, size, count)).astype(np.int64)  # repeats too (an overwrite's entries)
+    pages = np.zeros((head + size + PAGE - 1) // PAGE, dtype=bool)
+    pages[(index + head) // PAGE] = True
+    got = touched_pages([SparseChange(index, np.ones(count, dtype=np.uint8))], head, size)
+    if pages.all():
+        assert got is True
+    elif not pages.any():
+        assert got is False
+    else:
+        assert isinstance(got, np.ndarray) and got.tolist() == pages.tolist()

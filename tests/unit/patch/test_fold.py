@@ -17,7 +17,7 @@ import pytest
 from storage.errors import ChecksumMismatch
 from storage.format.changes import DenseChange, SparseChange
 from storage.format.digests import new_checksum
-from storage.patch.fold import fold_block, linear_sums
+from storage.patch.fold import PIECE, fold_block, linear_sums
 from storage.patch.patcher import apply_patches, plan_patches
 from tests.unit.patch.test_pipeline import Chain
 from tests.unit.patch.test_undo import assert_undone, compress, edit_frame, reject, victim_of
@@ -131,3 +131,41 @@ def test_an_intermediate_record_with_altered_values_is_caught_at_its_revision_an
     error, work, patched = reject(chain, workers=2)
     assert_undone(chain, error, work, patched, ChecksumMismatch, "after applying the delta", revision="r2",
                   bucket=bucket, tensor=tensor)
+
+
+@pytest.mark.parametrize("fmt", ["adler32", "xxh3-128", "blake3"])
+@pytest.mark.parametrize("n", [PIECE, PIECE + 1, 3 * PIECE - 5, 4 * 2**20])
+def test_one_revision_of_sparse_xor_is_hashed_piece_by_piece_as_one_pass_over_the_block(fmt, n):
+    rng = np.random.default_rng(n)
+    block = rng.integers(0, 256, n, dtype=np.uint8)
+    index = np.sort(rng.choice(n, n // 50, replace=False)).astype(np.int64)
+    index[-1] = n - 1  # the last byte of the last piece changes too
+    change = SparseChange(index, rng.integers(1, 256, index.size, dtype=np.uint8))
+    expected = _running(block, [change])[-1]
+    whole = new_checksum(fmt)
+    whole.update(np.frombuffer(expected, dtype=np.uint8))
+    h, state = new_checksum(fmt), _State()
+    fold_block([change], block, None, [h], False, state)
+    assert block.tobytes() == expected and state.steps_in_block == 1
+    assert h.hexdigest() == whole.hexdigest()
+
+
+def test_a_piece_that_fails_leaves_the_block_as_it_was_and_the_revision_uncounted():
+    rng = np.random.default_rng(5)
+    n = 3 * PIECE
+    block = rng.integers(0, 256, n, dtype=np.uint8)
+    before = block.tobytes()
+    change = _sparse(rng, n, n // 50)
+
+    class FailsOnSecondPiece:
+        calls = 0
+
+        def update(self, data) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                raise OSError("hash failed")
+
+    state = _State()
+    with pytest.raises(OSError, match="hash failed"):
+        fold_block([change], block, None, [FailsOnSecondPiece()], False, state)
+    assert block.tobytes() == before and state.steps_in_block == 0
