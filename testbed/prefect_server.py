@@ -97,14 +97,16 @@ def migrated_postgres():
     template = Postgres("refit_template_" + re.sub(r"[^a-z0-9]", "_", _prefect_version().lower())[:40])
     with _templates_locked():
         if not template.exists():
-            build = Postgres().create()
+            build, home = Postgres().create(), TEMPLATES / f"build-{uuid.uuid4().hex[:8]}"
             try:
-                _migrate(TEMPLATES / f"build-{build.name}", build.url)
+                _migrate(home, build.url)
                 build.rename(template.name)
                 build.seal()
             except BaseException:
                 build.drop()
                 raise
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
         return Postgres().create(template=template.name)
 
 
