@@ -54,6 +54,21 @@ class Publications:
     event: str  # the event's name
     resource_prefix: str  # the model's published events: their resource id starts so
     parameters: Callable[[str], dict]  # a run's parameters for a desired version
+    catalog: str | None = None  # the node's catalog: an event naming another catalog is not heard (None: any)
+
+    def names_other_catalog(self, payload: dict) -> str | None:
+        """The catalog a published event's payload names when it is not this node's (another catalog of the same
+        model on the same server: its versions are not this node's); None when it is this node's or unnamed."""
+        named = payload.get("catalog")
+        if self.catalog is None or not isinstance(named, str) or not named:
+            return None
+        from storage.urls import normalize_url
+
+        try:
+            same = normalize_url(named).rstrip("/") == normalize_url(self.catalog).rstrip("/")
+        except Exception:  # not a URL this program reads: not this node's catalog
+            return named
+        return None if same else named
 
 
 PublishFanOut = Publications  # deprecated alias: the agent's loop, not a run per event, is the one fan-out path

@@ -112,9 +112,15 @@ class EventListening:
                     event = await receiving.next(timeout_s=1.0)
                     if event is None:
                         continue
-                    version = (event.payload or {}).get("version")
+                    payload = event.payload or {}
+                    version = payload.get("version")
                     if not isinstance(version, str):
                         log.warning("published event %s carries no version: ignored", event.id)
+                        continue
+                    other = self.publications.names_other_catalog(payload)
+                    if other is not None:  # the same model in another catalog: not a version of this node's
+                        log.debug("published event %s names %s of catalog %s, not this node's: ignored",
+                                  event.id, version, other)
                         continue
                     self._hear(version)
             finally:

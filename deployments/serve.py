@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     node_report.heartbeat_interval_s = settings.heartbeat_s
     publications = Publications(  # the events that wake the loop (with --no-event-wakeups: none, the head check)
         f"refit-on-publish{settings.suffix_for(params.node)}", EVENT, resource_id(params.model, ""),
-        lambda version: refit_parameters(params, target=version, only_if_newer=True))
+        lambda version: refit_parameters(params, target=version, only_if_newer=True), catalog=params.catalog)
     installer = make_installer(params.installer)  # one, for the heartbeats' questions to the engines
     stats = serve_in_process(deployments, {"refit": refit, "publish": publish}, vet=run_vetting(params, settings),
                              poll_s=settings.poll_s,

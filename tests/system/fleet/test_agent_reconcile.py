@@ -10,13 +10,16 @@ and record what they were asked.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 from uuid import uuid4
 
 from deployments.agent import NodeAgent, Publications
 from deployments.serve import EVENT, resource_id
 from flows import node_report
+from storage.runtime.cancel import StopToken
 
 ORDER = {"r1": 1, "r2": 2, "r3": 3, "r4": 4, "r5": 5}
 
@@ -101,3 +104,53 @@ def test_without_events_the_timer_carries_a_publication_and_nothing_newer_makes_
     assert catalog.asked == [[], []]
     assert [(r["name"], r["parameters"]["params"]["target"]) for r in client.created] == [("refit gpu1 r1 -> r2",
                                                                                            "r2")]
+
+
+class Published:
+    """Prefect's event subscriber as the agent's published-event subscription uses it, bringing ``events`` (each
+    a payload) in order, then stopping the agent."""
+
+    def __init__(self, agent: NodeAgent, payloads: list[dict]):
+        self.agent, self.payloads = agent, list(payloads)
+
+    def __call__(self, **_kwargs) -> "Published":
+        return self
+
+    async def __aenter__(self) -> "Published":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        pass
+
+    def __aiter__(self) -> "Published":
+        return self
+
+    async def __anext__(self):
+        if not self.payloads:
+            self.agent.stop.stop("the test's events are all delivered")
+            await asyncio.sleep(3600)  # cancelled when the agent's receive loop ends
+        return SimpleNamespace(id=uuid4(), payload=self.payloads.pop(0))
+
+
+def test_a_published_event_of_another_catalog_is_not_heard_and_does_not_hide_this_catalogs(monkeypatch, tmp_path):
+    import prefect.events.clients
+
+    catalog, client = Catalog(head="r1", installed="r1"), Client()
+    agent = agent_with(catalog, monkeypatch)
+    ours = tmp_path / "catalog"
+    agent.publications = replace(agent.publications, catalog=str(ours))
+    agent.stop = StopToken()  # this test's own: stopping it stops nothing else
+    agent._next_head_check = time.monotonic() + 3600  # only an event can wake a check
+    stream = Published(agent, [
+        {"model": "org/name", "version": "r2", "sequence": 2, "catalog": "s3://other-bucket/catalog"},  # not ours
+        {"model": "org/name", "version": "r3", "sequence": 3, "catalog": f"file://{ours}/"},  # ours, as a URL
+        {"model": "org/name", "version": "r2", "sequence": 2, "catalog": str(ours)},  # ours: r2 not hidden
+    ])
+    monkeypatch.setattr(prefect.events.clients, "PrefectEventSubscriber", stream)
+    asyncio.run(agent._subscribe_published("http://127.0.0.1:1/api"))
+
+    assert agent.stats.heard == 2 and agent._check_due()  # the other catalog's r2 was never heard
+    catalog.head = "r3"
+    agent._check_head(client, [])
+    assert catalog.asked == [["r3", "r2"]]
+    assert [r["name"] for r in client.created] == ["refit gpu1 r1 -> r3"]
