@@ -100,16 +100,15 @@ def load_json(data: bytes | bytearray | memoryview | str, limits: JsonLimits, *,
             raise fail(f"is not UTF-8 JSON ({exc.reason} at byte {exc.start})") from None
         text_cost = n if data.isascii() else sys.getsizeof(text)
         allowed = limits.elements_allowed(n, text_cost)
-        depth, elements = _structure(data, limits.max_depth, allowed)
+        depth, elements, keys = _structure(data, limits.max_depth, allowed)
         if depth > limits.max_depth:
             raise fail(f"nests deeper than {limits.max_depth} levels")
         if elements > allowed:
             raise fail(f"has more than {allowed} elements (keys and values) for its {n} bytes")
         with gc_paused():  # the parse builds no cycles: a collection here would walk every object it made
-            value = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                               parse_float=_finite_float)
+            value = _parse(text, keys)
         del text
-        if _SURROGATE_ESCAPE.search(data):
+        if b"\\" in data and _SURROGATE_ESCAPE.search(data):
             _refuse_lone_surrogates(value)
     except RefitError:
         raise
@@ -235,46 +234,55 @@ def _tables():
     return step, separator
 
 
-def _structure(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
-    """(deepest nesting, elements) of ``data``, counting only brackets, commas and colons outside strings.
+def _structure(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int, int | None]:
+    """(deepest nesting, elements, keys) of ``data``, counting only brackets, commas and colons outside strings;
+    ``keys`` is the number of object members (colons outside strings) where that is known, else None.
 
-    Where the counts over the whole bytes (strings included) are already within bounds, that upper bound is
-    the answer; otherwise a chunked NumPy scan follows JSON's own string rules: a ``"`` opens or closes a
-    string unless an odd run of backslashes precedes it. Up to the first syntax error (where ``json.loads``
-    stops) it sees exactly the containers ``json.loads`` would build.
+    Bytes without a backslash (every header, index and record the program writes): ``_scan_plain``, exact.
+    Bytes with one: where the counts over all of them (strings included) are already within bounds, that upper
+    bound is the answer; otherwise the NumPy scan of ``_scan_escaped`` follows JSON's own string rules. Up to
+    the first syntax error (where ``json.loads`` stops) the exact scans see exactly the containers
+    ``json.loads`` would build.
     """
+    if b"\\" not in data:
+        return _scan_plain(data, max_depth, max_elements)
     opens = data.count(b"[") + data.count(b"{")
     elements = opens + data.count(b",") + data.count(b":") + 1
     if opens <= max_depth and elements <= max_elements:
-        return opens, elements
-    return _scan(data, max_depth, max_elements)
+        return opens, elements, None
+    return (*_scan_escaped(data, max_depth, max_elements), None)
 
 
 def _scan(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
-    """The exact counts, chunk by chunk; stops early once past either bound."""
-    if b"\\" not in data:
-        return _scan_plain(data, max_depth, max_elements)
+    """The exact (deepest nesting, elements) outside strings, chunk by chunk; stops early once past either
+    bound."""
+    if b"\\" in data:
+        return _scan_escaped(data, max_depth, max_elements)
+    return _scan_plain(data, max_depth, max_elements)[:2]
+
+
+def _scan_escaped(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
+    """``_scan`` of bytes with a backslash: per chunk, NumPy arrays over every byte (a ``"`` opens or closes a
+    string unless an odd run of backslashes precedes it, and such runs can cross chunks)."""
     import numpy as np
 
     step_of, separates = _tables()
     a = np.frombuffer(data, np.uint8)
-    escapes = b"\\" in data
     parity = depth = deepest = run = 0
     elements = 1
     for start in range(0, len(a), _CHUNK):
         c = a[start:start + _CHUNK]
         quote = c == 34
-        if escapes:
-            backslash = c == 92
-            # index of the last non-backslash at or before each position (the carried run counts as before 0)
-            last = np.where(backslash, np.int32(-1 - run), np.arange(len(c), dtype=np.int32))
-            np.maximum.accumulate(last, out=last)
-            before = np.empty_like(last)
-            before[0] = -1 - run  # so that position 0 sees the carried run
-            before[1:] = last[:-1]
-            run_length = np.arange(-1, len(c) - 1, dtype=np.int32) - before
-            quote &= (run_length & 1) == 0
-            run = int(len(c) - 1 - last[-1])
+        backslash = c == 92
+        # index of the last non-backslash at or before each position (the carried run counts as before 0)
+        last = np.where(backslash, np.int32(-1 - run), np.arange(len(c), dtype=np.int32))
+        np.maximum.accumulate(last, out=last)
+        before = np.empty_like(last)
+        before[0] = -1 - run  # so that position 0 sees the carried run
+        before[1:] = last[:-1]
+        run_length = np.arange(-1, len(c) - 1, dtype=np.int32) - before
+        quote &= (run_length & 1) == 0
+        run = int(len(c) - 1 - last[-1])
         inside = np.cumsum(quote, dtype=np.int32)
         inside += parity
         parity = int(inside[-1]) & 1
@@ -291,41 +299,87 @@ def _scan(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
     return deepest, elements
 
 
+_STRUCTURE = b'"[]{},:'
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in _STRUCTURE)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = tuple(1 if b in b"[{" else -1 for b in range(256))  # of a bracket
+_PLAIN_CHUNK = 8  # times _CHUNK: a plain scan's per-chunk arrays are over brackets only
 
 
-def _scan_plain(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int]:
-    """``_scan`` of bytes without a backslash: every ``"`` opens or closes a string, so splitting a chunk at its
-    quotes leaves, every other piece, the bytes outside strings (C-speed ``bytes`` methods, no per-byte arrays);
-    only the brackets among them go through NumPy, for the running depth."""
-    import numpy as np
+def _scan_plain(data: bytes, max_depth: int, max_elements: int) -> tuple[int, int, int]:
+    """``_scan`` of bytes without a backslash, and the colons outside strings. Every ``"`` opens or closes a
+    string, so each chunk is first cut down to its quotes and structural bytes, less every two adjacent quotes
+    (C-speed ``bytes`` methods): what is left reads as the chunk does (the same bytes on each side of the
+    quotes), and in a typical document (no string holding ``[]{},:``) is the structure alone. Splitting that at
+    its quotes leaves, every other piece, the bytes outside strings; only the brackets among them go through
+    NumPy (a few in plain Python), for the running depth.
 
-    step_of, _ = _tables()
+    Two adjacent quotes close one string and open the next, or open and close one that holds nothing
+    structural: without them the quotes still alternate, and every other byte keeps its side.
+    """
     inside = False
-    depth = deepest = 0
+    depth = deepest = colons = 0
     elements = 1
-    for start in range(0, len(data), _CHUNK):
-        pieces = data[start:start + _CHUNK].split(b'"')
+    size = _CHUNK * _PLAIN_CHUNK
+    for start in range(0, len(data), size):
+        pieces = data[start:start + size].translate(None, _NOT_STRUCTURE).replace(b'""', b"").split(b'"')
         outside = b"".join(pieces[1::2] if inside else pieces[0::2])
         inside ^= bool((len(pieces) - 1) & 1)
         brackets = outside.translate(None, _NOT_BRACKETS)
         opens = brackets.count(b"[") + brackets.count(b"{")
-        elements += opens + outside.count(b",") + outside.count(b":")
-        if brackets:
-            if opens == len(brackets):  # only openings: the deepest is the last
-                depth += opens
-                deepest = max(deepest, depth)
-            else:
-                levels = np.cumsum(step_of[np.frombuffer(brackets, np.uint8)], dtype=np.int32)
-                levels += depth
-                deepest = max(deepest, int(levels.max()))
-                depth = int(levels[-1])
+        found = outside.count(b":")
+        colons += found
+        elements += opens + outside.count(b",") + found
+        if opens == len(brackets):  # only openings (or none): the deepest is the last
+            depth += opens
+            deepest = max(deepest, depth)
+        else:
+            depth, deepest = _levels(brackets, depth, deepest)
         if deepest > max_depth or elements > max_elements:
             break  # refused anyway: no need to read the rest
-    return deepest, elements
+    return deepest, elements, colons
 
 
-# -- json.loads hooks -------------------------------------------------------------------------------------------
+def _levels(brackets: bytes, depth: int, deepest: int) -> tuple[int, int]:
+    """(depth after ``brackets``, deepest so far) from the ``depth`` before them: a few in plain Python (a
+    command that reads only small records never imports NumPy), more as one NumPy running sum."""
+    if len(brackets) <= 64:
+        for byte in brackets:
+            depth += _STEP[byte]
+            deepest = max(deepest, depth)
+        return depth, deepest
+    import numpy as np
+
+    step_of, _ = _tables()
+    levels = np.cumsum(step_of[np.frombuffer(brackets, np.uint8)], dtype=np.int32)
+    levels += depth
+    return int(levels[-1]), max(deepest, int(levels.max()))
+
+
+# -- the parse and its hooks ------------------------------------------------------------------------------------
+
+
+def _parse(text: str, keys: int | None):
+    """``json.loads(text)``, refusing repeated keys, ``NaN``, ``Infinity`` and floats that overflow.
+
+    With ``keys`` (the number of members the document holds, counted outside strings), objects are built
+    by ``json.loads`` itself and the repeats found by counting: the objects' sizes add up to ``keys`` unless
+    one repeats a key (a repeat keeps one entry). Else, or when they do not add up, every object goes through
+    ``_unique_keys`` (a list of pairs first: slower), which names the repeated key."""
+    if keys is not None:
+        objects: list[dict] = []
+        keep = objects.append
+
+        def kept(obj: dict) -> dict:
+            keep(obj)
+            return obj
+
+        value = json.loads(text, object_hook=kept if keys else None, parse_constant=_no_constant,
+                           parse_float=_finite_float)
+        if sum(map(len, objects)) == keys:
+            return value
+        del value, objects
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float)
 
 
 def _unique_keys(pairs: list) -> dict:
