@@ -87,7 +87,11 @@ def zombie_automation(within_s: float):
 
 
 def ensure_zombie_automation(client, within_s: float) -> None:
-    """Create (or correct) the server's ``zombie_automation``; every agent asks, one exists."""
+    """Create (or correct) the server's ``zombie_automation``; every agent asks, one exists.
+
+    Agents started at the same moment may each find none and create one: every agent then keeps the one
+    with the smallest id and deletes the others, so they all keep the same one and the server ends with one.
+    """
     from prefect.events.schemas.automations import AutomationCore
 
     wanted = AutomationCore.model_validate(zombie_automation(within_s).model_dump(exclude={"id"}))
@@ -96,8 +100,16 @@ def ensure_zombie_automation(client, within_s: float) -> None:
         if not existing:
             client.create_automation(wanted)
             log.info("created the automation %r (a run silent for %.0fs is Crashed)", ZOMBIE_AUTOMATION, within_s)
-        elif existing[0].trigger.within != wanted.trigger.within:
-            client.update_automation(existing[0].id, wanted)
+            existing = client.read_automations_by_name(ZOMBIE_AUTOMATION)
+        kept, *extra = sorted(existing, key=lambda automation: str(automation.id))
+        for duplicate in extra:  # created by an agent that started beside this one
+            try:
+                client.delete_automation(duplicate.id)
+                log.info("deleted a duplicate of the automation %r (%s)", ZOMBIE_AUTOMATION, duplicate.id)
+            except Exception as exc:  # another agent deleted it first
+                log.debug("the duplicate %s of %r was not deleted here: %s", duplicate.id, ZOMBIE_AUTOMATION, exc)
+        if kept.trigger.within != wanted.trigger.within:
+            client.update_automation(kept.id, wanted)
             log.info("set the automation %r to %.0fs", ZOMBIE_AUTOMATION, within_s)
     except Exception as exc:  # the node still refits; only the server's cleanup of a dead agent's runs is missing
         log.warning("could not create the automation %r (runs of a killed agent stay Running until it "
