@@ -32,7 +32,7 @@ from storage.durable import read_json_file
 from storage.errors import (
     CatalogError, FormatError, ManifestError, RefitError, SafetensorsError, StoreError, StoreRecordError,
 )
-from storage.format.safetensors import parse_bytes
+from storage.format.safetensors import encode_header, parse_bytes
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[3]
@@ -132,6 +132,81 @@ def test_element_counts_follow_the_bytes():
     # padded with whitespace to what it pays for, the same shape parses
     pad = b" " * ELEMENT_COST
     assert len(load_json(b"[" + (b"[]," + pad) * 10_000 + b"[]]", limits)) == 10_001
+
+
+# --- real headers: their true depth, every repeated key, at any chunk size -----------------------------------------
+
+
+def header_json(tensors: int, metadata: dict | None = None, name: str = "model.layers.{i}.mlp.experts.{i}.w1") -> bytes:
+    """A safetensors header's JSON (the writer's own encoding): depth 3, no backslash, ``tensors`` entries."""
+    raw, _ = encode_header(((name.format(i=i), "F8_E4M3", [4, 2], 8) for i in range(tensors)), metadata)
+    return raw[8:]
+
+
+def shape_of(value) -> tuple[int, int, int]:
+    """(depth, elements, object members) of a parsed JSON value, from the value itself: a container is one
+    element, each item after its first one more (its comma), each member one more (its colon)."""
+    if isinstance(value, dict):
+        inner = [shape_of(v) for v in value.values()]
+        extra = 2 * len(value) - 1 if value else 0
+    elif isinstance(value, list):
+        inner = [shape_of(v) for v in value]
+        extra = len(value) - 1 if value else 0
+    else:
+        return 0, 0, 0
+    return (1 + max((d for d, _, _ in inner), default=0), 1 + extra + sum(e for _, e, _ in inner),
+            (len(value) if isinstance(value, dict) else 0) + sum(m for _, _, m in inner))
+
+
+STRUCTURED_STRINGS = {  # strings holding brackets, commas, colons and quotes' neighbours, across chunk edges
+    "header": header_json(300, {"format": "pt"}),
+    "checksums": header_json(200, {f"model.layers.{i}.mlp.experts.{i}.w1": "xxh3-128:" + "0f" * 16
+                                   for i in range(200)}),
+    "names": header_json(50, name="layer[{i}]{{x}}:a,b"),
+    "empty strings": json.dumps({"": ["", "", {"": ""}], "a": ["x" * 40, "", "]" * 30]}).encode(),
+    "record": json.dumps({"uri": "s3://bucket/r1/delta.safetensors.index.json", "n": [1, [2, [3]]]}).encode(),
+    "scalar": b'"a:b,[c]"',
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 64, 1 << 15])
+@pytest.mark.parametrize("doc", sorted(STRUCTURED_STRINGS))
+def test_the_scan_counts_depth_elements_and_members_as_the_parsed_value_has_them(doc, chunk, monkeypatch):
+    raw = STRUCTURED_STRINGS[doc]
+    assert b"\\" not in raw
+    monkeypatch.setattr(bounded_json, "_CHUNK", chunk)
+    depth, elements, members = shape_of(json.loads(raw))
+    assert bounded_json._structure(raw, 1 << 30, 1 << 30) == (depth, elements + 1, members)  # + the top value
+
+
+def test_a_header_is_read_at_its_true_depth():
+    raw = header_json(20_000, {"format": "pt"})
+    assert load_json(raw, JsonLimits("header", 64 * MiB, 3, 1 << 22, 1 << 22)) == json.loads(raw)
+    with pytest.raises(SafetensorsError, match="header nests deeper than 2 levels") as caught:
+        load_json(raw, JsonLimits("header", 64 * MiB, 2, 1 << 22, 1 << 22), error=SafetensorsError, file="b.safetensors")
+    assert caught.value.file == "b.safetensors"
+
+
+def _repeat_last(raw: bytes, key: bytes) -> bytes:
+    """``raw`` (an object of objects) with ``key`` added again to its last object, before the final ``}}``."""
+    assert raw.rstrip().endswith(b"}}")
+    return raw.rstrip()[:-2] + b',"' + key + b'":0}}'
+
+
+@pytest.mark.parametrize("raw, key", [
+    (_repeat_last(header_json(20_000), b"dtype"), "dtype"),  # a header: members counted, no pairs hook
+    (header_json(20_000).rstrip()[:-1] + b',"model.layers.7.mlp.experts.7.w1":{}}', "model.layers.7.mlp.experts.7.w1"),
+    (header_json(3000, name="a:[{i}]").rstrip()[:-1] + b',"a:[1]":{}}', "a:[1]"),  # strings hold structure
+    (b'{"a\\n": 1, "a\\n": 2}', "a\n"),  # a backslash: the pairs hook
+    (b'[{"a": 1}, {"b": [{"c": 1, "c": 1}]}]', "c"),  # in a list, at depth 4
+    (b'{"__metadata__": {"x": "1", "y": "2", "x": "3"}, "t": {}}', "x"),
+    (b'{"a": {}, "b": {"a": 1, "b": 2}, "a": {}}', "a"),  # the objects' sizes add up, less one
+])
+def test_every_repeated_key_is_refused_naming_it_and_the_document(raw, key):
+    with pytest.raises(SafetensorsError) as caught:
+        load_json(raw, HEADER, error=SafetensorsError, file="s3://bucket/r2/bucket-00000.safetensors", revision="r2")
+    assert f"header is not valid JSON (duplicate key {key!r})" in str(caught.value)
+    assert caught.value.file == "s3://bucket/r2/bucket-00000.safetensors" and caught.value.revision == "r2"
 
 
 # --- memory: peak within MEMORY_RATIO x the bytes, for the costliest shapes ------------------------------------
