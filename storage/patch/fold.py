@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from storage.format.changes import Change, SparseChange
+from storage.format.changes import Change, DenseChange, SparseChange
 from storage.format.digests import adler32_delta, adler32_of, adler32_sub
 
 LINEAR_MAX_BLOCK = 2**27  # ``adler32_delta``'s sums stay exact in int64 up to this block size
@@ -40,7 +40,7 @@ def fold_block(changes: Sequence[Change | None], block: np.ndarray, spans, hashe
     the revisions applied (the undo reverts exactly those). ``spans``: the block's byte ranges whose pages are
     written (``storage.format.changes.page_spans``). ``linear`` (``linear_sums``): derive the adler32 values."""
     if not linear or block.size > LINEAR_MAX_BLOCK:
-        if len(changes) == 1 and spans != [] and _in_pieces(changes[0], block, hashes[0]):
+        if len(changes) == 1 and spans != [] and _in_pieces(changes[0], block, spans, hashes[0]):
             state.steps_in_block = 1
             return
         for i, (change, h) in enumerate(zip(changes, hashes)):
@@ -92,16 +92,21 @@ def _apply_sparse(change: SparseChange, block: np.ndarray) -> tuple[int, int]:
     return adler32_delta(block.size, index, old, new)
 
 
-def _in_pieces(change: Change | None, block: np.ndarray, h) -> bool:
-    """One revision's sparse XOR written and hashed a piece of the block at a time, so the hash reads each piece
-    while the writes have left it in the cache; False (nothing done) for any other change or a small block.
+def _in_pieces(change: Change | None, block: np.ndarray, spans, h) -> bool:
+    """One revision's XOR (sparse, or dense within ``spans``) written and hashed a piece of the block at a time, so
+    the hash reads each piece while the writes have left it in the cache; False (nothing done) for an
+    ``overwrite``, no change or a block of one piece.
 
-    If a write fails, the pieces already written are XORed back before the error goes on: the block is then as
-    it was, as the undo expects of a revision not counted in ``steps_in_block``."""
-    size = block.size
-    if size <= PIECE or not isinstance(change, SparseChange) or change.overwrite or change.on_apply is not None:
+    If a write fails, the bytes already written are XORed back before the error goes on: the block is then as it
+    was, as the undo expects of a revision not counted in ``steps_in_block``."""
+    if block.size <= PIECE:
         return False
-    index, values = change.index, change.values
+    if isinstance(change, DenseChange):
+        _dense_in_pieces(change.data, block, [(0, block.size)] if spans is None else spans, h)
+        return True
+    if not isinstance(change, SparseChange) or change.overwrite or change.on_apply is not None:
+        return False
+    size, index, values = block.size, change.index, change.values
     ends = range(PIECE, size + PIECE, PIECE)
     cuts = index.searchsorted(ends[:-1]).tolist()
     cuts.append(index.size)
@@ -117,3 +122,24 @@ def _in_pieces(change: Change | None, block: np.ndarray, h) -> bool:
         block[index[:lo]] ^= values[:lo]
         raise
     return True
+
+
+def _dense_in_pieces(data: np.ndarray, block: np.ndarray, spans: list[tuple[int, int]], h) -> None:
+    """``_in_pieces`` of a dense XOR: ``data`` XORed into the byte ranges ``spans`` (sorted, apart)."""
+    size, k, written = block.size, 0, []
+    try:
+        for start in range(0, size, PIECE):
+            end = min(start + PIECE, size)
+            while k < len(spans) and spans[k][0] < end:
+                a, b = max(spans[k][0], start), min(spans[k][1], end)
+                if a < b:
+                    np.bitwise_xor(block[a:b], data[a:b], out=block[a:b])
+                    written.append((a, b))
+                if spans[k][1] > end:
+                    break
+                k += 1
+            h.update(block[start:end])
+    except BaseException:
+        for a, b in written:
+            np.bitwise_xor(block[a:b], data[a:b], out=block[a:b])
+        raise

@@ -135,27 +135,43 @@ def test_an_intermediate_record_with_altered_values_is_caught_at_its_revision_an
 
 @pytest.mark.parametrize("fmt", ["adler32", "xxh3-128", "blake3"])
 @pytest.mark.parametrize("n", [PIECE, PIECE + 1, 3 * PIECE - 5, 4 * 2**20])
-def test_one_revision_of_sparse_xor_is_hashed_piece_by_piece_as_one_pass_over_the_block(fmt, n):
+@pytest.mark.parametrize("kind", ["sparse", "dense", "dense in spans"])
+def test_one_revision_of_xor_is_hashed_piece_by_piece_as_one_pass_over_the_block(fmt, n, kind):
     rng = np.random.default_rng(n)
     block = rng.integers(0, 256, n, dtype=np.uint8)
-    index = np.sort(rng.choice(n, n // 50, replace=False)).astype(np.int64)
-    index[-1] = n - 1  # the last byte of the last piece changes too
-    change = SparseChange(index, rng.integers(1, 256, index.size, dtype=np.uint8))
-    expected = _running(block, [change])[-1]
+    spans = None
+    if kind == "sparse":
+        index = np.sort(rng.choice(n, n // 50, replace=False)).astype(np.int64)
+        index[-1] = n - 1  # the last byte of the last piece changes too
+        change = SparseChange(index, rng.integers(1, 256, index.size, dtype=np.uint8))
+    else:
+        change = _dense(rng, n)
+        if kind == "dense in spans":  # only these ranges are written (their pages): the rest keeps its bytes
+            spans = [(0, 4096), (PIECE - 100, min(n, PIECE + 5000))]
+            spans += [(n - 3, n)] if n - 3 > spans[-1][1] else []
+    expected = _running(block, [change])[-1] if spans is None else _in_spans(block, change, spans)
     whole = new_checksum(fmt)
     whole.update(np.frombuffer(expected, dtype=np.uint8))
     h, state = new_checksum(fmt), _State()
-    fold_block([change], block, None, [h], False, state)
+    fold_block([change], block, spans, [h], False, state)
     assert block.tobytes() == expected and state.steps_in_block == 1
     assert h.hexdigest() == whole.hexdigest()
 
 
-def test_a_piece_that_fails_leaves_the_block_as_it_was_and_the_revision_uncounted():
+def _in_spans(block: np.ndarray, change: DenseChange, spans) -> bytes:
+    out = block.copy()
+    for a, b in spans:
+        out[a:b] ^= change.data[a:b]
+    return out.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["sparse", "dense"])
+def test_a_piece_that_fails_leaves_the_block_as_it_was_and_the_revision_uncounted(kind):
     rng = np.random.default_rng(5)
     n = 3 * PIECE
     block = rng.integers(0, 256, n, dtype=np.uint8)
     before = block.tobytes()
-    change = _sparse(rng, n, n // 50)
+    change = _sparse(rng, n, n // 50) if kind == "sparse" else _dense(rng, n)
 
     class FailsOnSecondPiece:
         calls = 0
