@@ -378,7 +378,8 @@ def _parse(text: str, keys: int | None):
                            parse_float=_finite_float)
         if sum(map(len, objects)) == keys:
             return value
-        del value, objects
+        objects.clear()  # a repeat: this parse is let go (``kept`` still holds the list) before the next one
+        del value
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant, parse_float=_finite_float)
 
 
