@@ -158,6 +158,15 @@ def checksum_bytes(name: str, data) -> str:
     return h.hexdigest()
 
 
+def checksum_ranges(name: str, data: memoryview, offsets: list[int], sizes: list[int]) -> list[str]:
+    """``checksum_bytes(name, data[o: o + n])`` of each ``o, n`` in ``zip(offsets, sizes)`` (adler32, the common
+    case: without a call a range)."""
+    if name == "adler32":
+        adler32 = _adler32
+        return [f"{adler32(data[o: o + n], 1) & 0xFFFFFFFF:08x}" for o, n in zip(offsets, sizes)]
+    return [checksum_bytes(name, data[o: o + n]) for o, n in zip(offsets, sizes)]
+
+
 def is_checksum(name: str, value: object) -> bool:
     """True if ``value`` is a well-formed checksum of format ``name``."""
     return isinstance(value, str) and _CHECKSUM_PATTERNS[name].fullmatch(value) is not None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -202,9 +202,10 @@ class Progress:
 
     def __init__(self, plan: "TensorPlan", block_size: int) -> None:
         self.plan, self.block_size = plan, block_size
-        self.bounds: list[tuple[int, int]] = []
-        self.decoders: list[Decoder | None] = []
-        self.validated: list = []  # each step's record as its decoder validated it (undo decodes without checking)
+        # replaced, never changed in place: empty tuples until then (no list a tensor)
+        self.bounds: Sequence[tuple[int, int]] = ()
+        self.decoders: Sequence[Decoder | None] = ()
+        self.validated: Sequence = ()  # each step's record as its decoder validated it (undo decodes without checking)
         self.blocks = self.steps_in_block = self.pages_written = self.blocks_unchanged = 0
 
     @property

@@ -26,7 +26,7 @@ import zstandard
 
 from storage.errors import ChecksumMismatch
 from storage.format.changes import PAGE
-from storage.format.digests import checksum_bytes
+from storage.format.digests import checksum_bytes, checksum_ranges
 from storage.runtime.killpoints import killpoint
 
 _START, _END, _NBYTES, _OFFSET, _FILE, _FORMAT = (
@@ -34,6 +34,7 @@ _START, _END, _NBYTES, _OFFSET, _FILE, _FORMAT = (
 _BUCKET = attrgetter("bucket")
 _PAGE_BITS = PAGE.bit_length() - 1
 _THREAD = threading.local()
+_NO_DECODER = (None,)  # each tensor's one XOR step (shared: never changed in place)
 
 
 def _dctx() -> zstandard.ZstdDecompressor:
@@ -108,8 +109,8 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
     offsets = np.array(list(map(_OFFSET, locations)), dtype=np.int64)
     files = list(map(_FILE, locations))
     moved = np.flatnonzero(decoded)  # the bytes that change, in batch order: untouched pages stay clean
-    owner = np.searchsorted(firsts, moved, side="right") - 1
-    at = offsets[owner] + (moved - firsts[owner])  # where each lies in its shard
+    owner = np.repeat(np.arange(count, dtype=np.int64), sizes)[moved]  # each one's tensor: no search a byte
+    at = moved + (offsets - firsts)[owner]  # where each lies in its shard
     change = decoded[moved]
     shards = _groups(files)
     views, by_file = {}, {}
@@ -129,7 +130,7 @@ def apply_batch(maps, states: list, target_format: str) -> list[str] | None:
         pages = np.bincount(owner[fresh], minlength=count)
     sizes_of = sizes.tolist()
     for state, n, size in zip(states, pages.tolist(), sizes_of):  # steps_in_block stays 0: the block is done
-        state.bounds, state.decoders = [(0, size)], [None]  # undo decodes the frame again
+        state.bounds, state.decoders = [(0, size)], _NO_DECODER  # undo decodes the frame again
         state.blocks, state.pages_written, state.blocks_unchanged = 1, n, 0 if n else 1
     for frame, (a, b) in zip(frames, bounds):
         views[id(frame)] = frame
@@ -179,9 +180,8 @@ def _sums(by_file: dict, steps: list, files: list[str], offsets: list[int], size
     formats = list(map(_FORMAT, steps))
     if len(by_file) == 1 and formats.count(formats[0]) == len(formats):  # one shard, one format: a call a tensor
         fmt, mv = formats[0], memoryview(next(iter(by_file.values())))
-        got = [checksum_bytes(fmt, mv[o: o + n]) for o, n in zip(offsets, sizes)]
-        return got, got if fmt == target_format else [checksum_bytes(target_format, mv[o: o + n])
-                                                         for o, n in zip(offsets, sizes)]
+        got = checksum_ranges(fmt, mv, offsets, sizes)
+        return got, got if fmt == target_format else checksum_ranges(target_format, mv, offsets, sizes)
     mapped = {file: memoryview(view) for file, view in by_file.items()}
     got, final = [], []
     for fmt, file, start, n in zip(formats, files, offsets, sizes):

@@ -19,7 +19,7 @@ from storage.format.checkpoint import CheckpointIndex, check_shard_name
 from storage.format.codec import make_decoder, sparse_record
 from storage.format.encoding import encode_delta
 from storage.format.frames import inspect_frame
-from storage.format.digests import checksum_bytes, format_digest, new_checksum, snapshot_digest
+from storage.format.digests import checksum_bytes, checksum_ranges, format_digest, new_checksum, snapshot_digest
 from storage.errors import CodecError, FormatError, ManifestError, SafetensorsError
 from storage.format.safetensors import parse_bytes, read_header, write_safetensors
 
@@ -43,6 +43,14 @@ def test_checksums_match_reference_implementations_incrementally(fmt):
         h.update(data[start:start + 4096])
     assert h.hexdigest() == _spec_checksum(fmt, data) == checksum_bytes(fmt, data)
     assert len(h.hexdigest()) == {"adler32": 8, "xxh3-128": 32, "blake3": 64}[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checksums_of_ranges_match_the_reference_range_by_range(fmt):
+    data = np.random.default_rng(2).integers(0, 256, 5_000, dtype=np.uint8).tobytes()
+    offsets, sizes = [0, 0, 17, 4_000, 4_999], [0, 1, 300, 1_000, 1]
+    assert checksum_ranges(fmt, memoryview(data), offsets, sizes) == \
+        [_spec_checksum(fmt, data[o: o + n]) for o, n in zip(offsets, sizes)]
 
 
 def test_adler32_is_zero_padded_hex():
