@@ -290,7 +290,7 @@ def is_tiny(plan: "TensorPlan", block_size: int) -> bool:
 
 
 def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: StopToken,
-               fallback: Callable[[Progress], str]) -> list[str]:
+               fallback: Callable[[Progress], str], *, single: bool | None = None) -> list[str]:
     """Patch a batch of tiny tensors (``is_tiny``), one after the other; returns each one's checksum in
     ``target_format``.
 
@@ -300,11 +300,11 @@ def apply_tiny(maps: Maps, states: list[Progress], target_format: str, halt: Sto
     the small ranges to drop are handed over once for the batch. ``halt`` is checked once per batch (a batch
     is at most ``TINY_BYTES`` of tensors under ``SMALL``: no more bytes than one block of a large tensor). A
     frame that does not decode cleanly goes through ``fallback`` (``apply_tensor``), which names the problem.
-    Tensors of one delta each (a steady refit) go through ``storage.patch.tiny.apply_batch`` together.
+    Tensors of one delta each (``single``: the caller counted) go through ``storage.patch.tiny.apply_batch`` together.
     """
     if states:
         halt.check(tensor=states[0].plan.location.name, mutation_started=True)
-    if len(states) > 1 and all(len(s.plan.steps) == 1 for s in states):  # one delta (a steady refit)
+    if len(states) > 1 and (all(len(s.plan.steps) == 1 for s in states) if single is None else single):  # steady
         done = apply_batch(maps, states, target_format)
         if done is not None:
             return done

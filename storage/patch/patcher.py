@@ -245,27 +245,35 @@ class _ApplyRun:
 
     def batch(self, names: list[str]) -> None:
         # folding K deltas keeps K scratch blocks live: the block shrinks so they still fit in cache
+        # a tiny group is handed over with its names, bytes times steps (progress) and one-step plans, counted here
         small: list[Progress] = []
+        small_names: list[str] = []
         plan_of = self.source.plan
         block_size = self.block_size
-        held = 0
+        held = work = ones = 0
         for name in names:
             plan = plan_of(name)
-            size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // len(plan.steps))
+            k = len(plan.steps)
+            size = block_size or max(MIN_FOLD_BLOCK, BLOCK_SIZE // k)
             state = Progress(plan, size)
             if is_tiny(plan, size):
-                if held + plan.location.nbytes > TINY_BYTES and small:
-                    self.tiny(small)
-                    small, held = [], 0
+                location = plan.location
+                n = location.nbytes
+                if held + n > TINY_BYTES and small:
+                    self.tiny(small, small_names, work, ones)
+                    small, small_names, held, work, ones = [], [], 0, 0, 0
                 small.append(state)
-                held += plan.location.nbytes
+                small_names.append(location.name)
+                held += n
+                work += n * k
+                ones += k == 1
                 continue
             if small:
-                self.tiny(small)
-                small, held = [], 0
+                self.tiny(small, small_names, work, ones)
+                small, small_names, held, work, ones = [], [], 0, 0, 0
             self.one(state)
         if small:
-            self.tiny(small)
+            self.tiny(small, small_names, work, ones)
 
     def one(self, state: Progress) -> None:
         with self.lock:
@@ -274,16 +282,18 @@ class _ApplyRun:
         with self.lock:
             self.results[state.plan.location.name] = digest
 
-    def tiny(self, states: list[Progress]) -> None:
-        # a batch of tiny tensors: one hand-over of their records, one progress call, one results update
+    def tiny(self, states: list[Progress], names: list[str], work: int, ones: int) -> None:
+        # a batch of tiny tensors (``names``; ``work``: their bytes times steps; ``ones``: how many have one step):
+        # one hand-over of their records, one progress call, one results update
         maps, fmt, halt = self.maps, self.target_checksum_format, self.halt
         with self.lock:
             self.progresses.extend(states)
-        digests = apply_tiny(maps, states, fmt, halt, lambda state: apply_tensor(maps, state, fmt, None, halt))
+        digests = apply_tiny(maps, states, fmt, halt, lambda state: apply_tensor(maps, state, fmt, None, halt),
+                             single=ones == len(states))
         if self.progress:
-            self.progress(sum(s.plan.location.nbytes * len(s.plan.steps) for s in states))
+            self.progress(work)
         with self.lock:
-            self.results.update(zip((s.plan.location.name for s in states), digests))
+            self.results.update(zip(names, digests))
 
 
 def _join_all(threads: list[threading.Thread], *, on_interrupt: Callable[[BaseException], None]) -> None:
