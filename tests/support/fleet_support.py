@@ -186,10 +186,10 @@ def held_mid_refit(fleet: "Fleet", node: NodeProcess, proxy, version: str):
 
 def assert_zombie_automation(fleet: "Fleet") -> None:
     """The server has the zombie automation the agents ensure: a run of ours silent for ZOMBIE_AFTER_S after a
-    flow-run heartbeat is Crashed."""
-    from datetime import timedelta
+    flow-run heartbeat is Crashed (its window compared as configuration, with the one the product builds)."""
+    from deployments.orphans import RUN_TAG, ZOMBIE_AUTOMATION, zombie_automation
 
-    from deployments.orphans import RUN_TAG, ZOMBIE_AUTOMATION
+    window = zombie_automation(ZOMBIE_AFTER_S).trigger.within
 
     with fleet.server.client() as client:
         automations = client.read_automations_by_name(ZOMBIE_AUTOMATION)
@@ -197,7 +197,7 @@ def assert_zombie_automation(fleet: "Fleet") -> None:
     for automation in automations:  # agents started at once may each have created one: every one is right
         trigger, (action,) = automation.trigger, automation.actions
         assert automation.enabled and trigger.posture.value == "Proactive", automation
-        assert trigger.within == timedelta(seconds=ZOMBIE_AFTER_S) and trigger.after == {"prefect.flow-run.heartbeat"}
+        assert trigger.within == window and trigger.after == {"prefect.flow-run.heartbeat"}
         assert "prefect.flow-run.heartbeat" in trigger.expect and "prefect.flow-run.Ready" in trigger.expect
         assert f"prefect.tag.{RUN_TAG}" in str(trigger.match_related), trigger.match_related
         assert action.type == "change-flow-run-state" and action.state.value == "CRASHED", action

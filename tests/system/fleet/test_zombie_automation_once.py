@@ -11,6 +11,8 @@ from uuid import uuid4
 
 from deployments.orphans import ZOMBIE_AUTOMATION, ensure_zombie_automation, zombie_automation
 
+WINDOW_S = 45  # the agents' --zombie-after
+
 
 class Server:
     """The automations of one Prefect server, as its client's automation calls see them."""
@@ -48,17 +50,17 @@ class Client:
 
 def test_agents_that_create_the_zombie_automation_at_once_leave_one():
     server = Server()
-    ensure_zombie_automation(Client(server, racing=2), 45)  # two other agents created one at the same moment
+    ensure_zombie_automation(Client(server, racing=2), WINDOW_S)  # two other agents created one at the same moment
     (kept,) = server.automations.values()
-    assert kept.name == ZOMBIE_AUTOMATION and kept.trigger.within.total_seconds() == 45
+    assert kept.name == ZOMBIE_AUTOMATION and kept.trigger.within == zombie_automation(WINDOW_S).trigger.within
     assert len(server.deleted) == 2
 
 
 def test_every_agent_keeps_the_same_one_and_a_second_pass_changes_nothing():
     server = Server()
-    created = [server.add(45).id for _ in range(3)]  # three agents each created one
-    ensure_zombie_automation(Client(server), 45)
-    ensure_zombie_automation(Client(server), 45)  # another agent, after: deletes nothing more
+    created = [server.add(WINDOW_S).id for _ in range(3)]  # three agents each created one
+    ensure_zombie_automation(Client(server), WINDOW_S)
+    ensure_zombie_automation(Client(server), WINDOW_S)  # another agent, after: deletes nothing more
     assert list(server.automations) == [min(created, key=str)]
     assert sorted(server.deleted, key=str) == sorted(set(created) - {min(created, key=str)}, key=str)
 
@@ -66,6 +68,6 @@ def test_every_agent_keeps_the_same_one_and_a_second_pass_changes_nothing():
 def test_the_kept_one_is_set_to_this_agents_window():
     server = Server()
     server.add(90)
-    ensure_zombie_automation(Client(server), 45)
+    ensure_zombie_automation(Client(server), WINDOW_S)
     (kept,) = server.automations.values()
-    assert kept.trigger.within.total_seconds() == 45
+    assert kept.trigger.within == zombie_automation(WINDOW_S).trigger.within
