@@ -10,28 +10,19 @@ import asyncio
 import threading
 from types import SimpleNamespace
 
-import prefect.events.clients
-
 from deployments.agent_events import EventListening
+from tests.support.subscriber import SubscriberStandIn
 
 
-class SlowSubscriber:
+class SlowSubscriber(SubscriberStandIn):
     """A stand-in for Prefect's event subscriber: its first receive takes 2.5 s (a slow reconnect), then brings
     one scheduled-run event; the next receive stops the agent and waits until it is cancelled."""
 
-    def __init__(self, agent: "Agent", **_kwargs) -> None:
+    def __init__(self, agent: "Agent") -> None:
+        super().__init__()
         self.agent = agent
         self.started = 0
         self.cancelled = 0
-
-    async def __aenter__(self) -> "SlowSubscriber":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        pass
-
-    def __aiter__(self) -> "SlowSubscriber":
-        return self
 
     async def __anext__(self):
         self.started += 1
@@ -59,20 +50,14 @@ class Agent(EventListening):
 
 def test_a_receive_slower_than_the_stop_check_is_not_cancelled(monkeypatch):
     agent = Agent()
-    subscribers: list[SlowSubscriber] = []
-
-    def subscriber(**kwargs) -> SlowSubscriber:
-        subscribers.append(SlowSubscriber(agent, **kwargs))
-        return subscribers[-1]
-
-    monkeypatch.setattr(prefect.events.clients, "PrefectEventSubscriber", subscriber)
+    stream = SlowSubscriber(agent).install(monkeypatch)
     watchdog = threading.Timer(20, lambda: setattr(agent.stop, "stopped", True))  # a broken loop fails, never hangs
     watchdog.start()
     try:
         asyncio.run(agent._subscribe("http://127.0.0.1:1/api", []))
     finally:
         watchdog.cancel()
-    [stream] = subscribers
+    assert len(stream.subscriptions) == 1  # the agent subscribed once
     assert agent.stats.wakeups == 1  # the slow receive's event arrived
     assert stream.started == 2  # one receive for it (not one a second), then the one pending at the stop
     assert stream.cancelled == 1  # only the receive still pending when the agent stopped

@@ -20,6 +20,7 @@ from deployments.agent import NodeAgent, Publications
 from deployments.serve import EVENT, resource_id
 from flows import node_report
 from storage.runtime.cancel import StopToken
+from tests.support.subscriber import SubscriberStandIn
 
 ORDER = {"r1": 1, "r2": 2, "r3": 3, "r4": 4, "r5": 5}
 
@@ -106,24 +107,13 @@ def test_without_events_the_timer_carries_a_publication_and_nothing_newer_makes_
                                                                                            "r2")]
 
 
-class Published:
+class Published(SubscriberStandIn):
     """Prefect's event subscriber as the agent's published-event subscription uses it, bringing ``events`` (each
     a payload) in order, then stopping the agent."""
 
     def __init__(self, agent: NodeAgent, payloads: list[dict]):
+        super().__init__()
         self.agent, self.payloads = agent, list(payloads)
-
-    def __call__(self, **_kwargs) -> "Published":
-        return self
-
-    async def __aenter__(self) -> "Published":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        pass
-
-    def __aiter__(self) -> "Published":
-        return self
 
     async def __anext__(self):
         if not self.payloads:
@@ -133,20 +123,17 @@ class Published:
 
 
 def test_a_published_event_of_another_catalog_is_not_heard_and_does_not_hide_this_catalogs(monkeypatch, tmp_path):
-    import prefect.events.clients
-
     catalog, client = Catalog(head="r1", installed="r1"), Client()
     agent = agent_with(catalog, monkeypatch)
     ours = tmp_path / "catalog"
     agent.publications = replace(agent.publications, catalog=str(ours))
     agent.stop = StopToken()  # this test's own: stopping it stops nothing else
     agent._next_head_check = time.monotonic() + 3600  # only an event can wake a check
-    stream = Published(agent, [
+    Published(agent, [
         {"model": "org/name", "version": "r2", "sequence": 2, "catalog": "s3://other-bucket/catalog"},  # not ours
         {"model": "org/name", "version": "r3", "sequence": 3, "catalog": f"file://{ours}/"},  # ours, as a URL
         {"model": "org/name", "version": "r2", "sequence": 2, "catalog": str(ours)},  # ours: r2 not hidden
-    ])
-    monkeypatch.setattr(prefect.events.clients, "PrefectEventSubscriber", stream)
+    ]).install(monkeypatch)
     asyncio.run(agent._subscribe_published("http://127.0.0.1:1/api"))
 
     assert agent.stats.heard == 2 and agent._check_due()  # the other catalog's r2 was never heard
