@@ -44,7 +44,7 @@ from tasks.seed_checkpoint import SEED_CHECKPOINT
 from tasks.verify_digest import VERIFY_DIGEST
 from flows.prefect_adapter import flow_run_reporting, unpersisted_results
 from flows.node_report import report_node
-from flows.outcome import final_state, outcome_of, retryable_run, settle
+from flows.outcome import final_state, outcome_of, recover_command, retryable_run, settle
 from flows.run_labels import log_outcome, refit_run_name
 
 log = logging.getLogger("canonical_refit.refit")
@@ -58,7 +58,8 @@ def runbook(rx: Receiver) -> str:
     anything else touches the store, on every path; only then is a failed
     update rolled back, and only then is the lock released.
     """
-    with rx.preparation(first=heal_interrupted_install) as lock:
+    recover = recover_command(rx.params)  # what a refused install names, as the run's next: line does
+    with rx.preparation(first=lambda run: heal_interrupted_install(run, recover)) as lock:
         plan = RESOLVE_CATALOG(rx)
         if plan.skip:
             return SKIPPED
@@ -70,7 +71,7 @@ def runbook(rx: Receiver) -> str:
             verified = VERIFY_DIGEST(rx, plan, prepared)
         lock.downgrade()
         try:
-            receipt = INSTALL(rx, verified)
+            receipt = INSTALL(rx, verified, recover)
             if rx.params.activate:
                 ACTIVATE(rx, receipt)
         finally:

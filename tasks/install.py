@@ -28,16 +28,18 @@ class InstallReceipt:
         return self.detail
 
 
-def install(rx: Receiver, target: VerifiedTarget) -> InstallReceipt:
-    """Install ``target`` with the run's installer (call holding the shared store lock)."""
-    return install_checkpoint(rx.store, rx.installer, target, recover_hint=recover_command(rx.params))
+def install(rx: Receiver, target: VerifiedTarget, recover_hint: str) -> InstallReceipt:
+    """Install ``target`` with the run's installer (call holding the shared store lock); ``recover_hint``: the
+    command that recovers this node, as printed (``flows.outcome.recover_command``)."""
+    return install_checkpoint(rx.store, rx.installer, target, recover_hint=recover_hint)
 
 
 def install_checkpoint(store: LocalStore, installer, target: VerifiedTarget, *, recovering: bool = False,
-                       recover_hint: str = "python -m flows.refit recover") -> InstallReceipt:
+                       recover_hint: str | None = None) -> InstallReceipt:
     """Install ``target`` with ``installer``; the fence (shared lock) is the caller's.
 
-    Refuses while the receiver is poisoned (unless this is the recovery),
+    Refuses while the receiver is poisoned (unless this is the recovery; the
+    refusal names ``recover_hint``, the command that recovers this node),
     re-validates that the prepared checkpoint is still the verified one, and
     marks the receiver poisoned durably — naming the installer and engines a
     recovery must go through — if the engine fails after mutation.
@@ -47,7 +49,7 @@ def install_checkpoint(store: LocalStore, installer, target: VerifiedTarget, *, 
     if poisoned and not recovering:
         raise ReceiverPoisoned(
             f"the receiver is poisoned since a failed install of {poisoned.version} ({poisoned.reason}); "
-            f"run `{recover_hint}` first",
+            f"run `{recover_hint or 'recover'}` first",
             revision=record.version, file=str(store.poisoned_path),
         )
     current = store.current()
@@ -77,14 +79,15 @@ def install_checkpoint(store: LocalStore, installer, target: VerifiedTarget, *, 
     return InstallReceipt(target, installer.name, outcome.detail)
 
 
-def heal_interrupted_install(rx: Receiver) -> None:
+def heal_interrupted_install(rx: Receiver, recover_hint: str) -> None:
     """First thing of a preparation: if a process ended inside an install, re-install through its installer.
 
     The engines may hold a mix of two versions. The version being installed
     is re-installed from its verified checkpoint (the one the engines may
     have been reading; nothing has touched it since) and activated, before
     recovery or anything else changes the store. Without a verified
-    checkpoint left to install, the node is marked poisoned (``recover``).
+    checkpoint left to install, the node is marked poisoned and the error names ``recover_hint`` (the command
+    that recovers this node, ``flows.outcome.recover_command``).
     """
     fence = rx.store.fence()
     if fence is None:
@@ -101,7 +104,7 @@ def heal_interrupted_install(rx: Receiver) -> None:
         rx.store.mark_poisoned(f"an install of {fence.version} was interrupted and its verified checkpoint is gone",
                                fence.version, fence.installer, fence.engine_urls)
         raise ReceiverPoisoned(f"an install of {fence.version} was interrupted (its process ended inside it) and "
-                               f"no verified checkpoint of it is left; run `{recover_command(rx.params)}`",
+                               f"no verified checkpoint of it is left; run `{recover_hint}`",
                                revision=fence.version, file=str(rx.store.fence_path))
     rx.store.point_at(record)
     receipt = install_checkpoint(rx.store, installer, VerifiedTarget(record, rx.store.absolute(record.path)),
@@ -109,11 +112,6 @@ def heal_interrupted_install(rx: Receiver) -> None:
     rx.store.activate(record.version, receipt.installer)
     rx.ledger.note(f"an install of {fence.version} was interrupted (its process ended inside it): re-installed "
                    f"{record.version} through {receipt.installer} before anything else ({receipt.detail})")
-
-
-def recover_command(params) -> str:
-    """The command that recovers this node, as the operator types it."""
-    return (f"python -m flows.refit recover --model {params.model} --cache-dir {params.cache_dir}")
 
 
 INSTALL = Stage("install", install)

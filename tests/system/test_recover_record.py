@@ -43,6 +43,8 @@ def test_a_poisoned_runs_recovery_pasted_as_printed_rewrites_that_nodes_record_a
     code, waited = fleet(capsys, lab, "wait", "--version", "r0", "--timeout", "5")
     assert (code, waited["poisoned"]) == (3, ["b"])
 
+    printed = result.next_step.split("  (")[0]
+    assert f"run `{printed}` first" in result.error  # the refused install names the same command as next:
     argv = _command(result.next_step)
     assert argv[:4] == ["python", "-m", "flows.refit", "recover"] and "--stage-retries" not in argv
     args = _sub_parser("recover").parse_args(argv[4:])
